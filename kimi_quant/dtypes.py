@@ -1,0 +1,64 @@
+"""safetensors dtype strings and their numpy storage types.
+
+numpy has no bfloat16 or float8, so those are carried as same-width unsigned integers
+(BF16 -> uint16, F8_E4M3 -> uint8) and converted explicitly where numbers are needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# safetensors dtype -> (numpy storage dtype, itemsize)
+STORAGE: dict[str, np.dtype] = {
+    "BF16": np.dtype(np.uint16),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "I16": np.dtype(np.int16),
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
+    "U16": np.dtype(np.uint16),
+    "U32": np.dtype(np.uint32),
+    "U64": np.dtype(np.uint64),
+    "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(np.uint8),
+    "F8_E5M2": np.dtype(np.uint8),
+    "F8_E8M0": np.dtype(np.uint8),
+}
+
+
+def itemsize(dtype: str) -> int:
+    return STORAGE[dtype].itemsize
+
+
+def nbytes(dtype: str, shape) -> int:
+    n = STORAGE[dtype].itemsize
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def bf16_to_f32(u16: np.ndarray) -> np.ndarray:
+    """Exact widening of bfloat16 bit patterns (uint16) to float32."""
+    return (u16.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even float32 -> bfloat16 bit patterns (uint16); NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = 0x7FC0
+    return rounded
+
+
+def to_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """A float32 copy of a floating tensor given its safetensors dtype."""
+    if dtype == "BF16":
+        return bf16_to_f32(arr)
+    if dtype in ("F16", "F32", "F64"):
+        return arr.astype(np.float32)
+    raise TypeError(f"dtype {dtype} is not a float type")

@@ -1,0 +1,308 @@
+"""Kimi K3 / K3.1 family: read config.json, name every tensor, give each a role.
+
+The role of a tensor (routed-expert gate, attention projection, norm, ...) is decided here, from
+the model's structure, and nowhere else: the recipe maps roles to schemes and the layout step
+uses ``TensorRole.matmul`` (gate / up / down) for ``scale_bias`` without ever looking at names.
+Kimi experts are named ``w1`` (gate), ``w3`` (up) and ``w2`` (down), which name-substring
+heuristics get wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import KimiQuantError
+
+SUPPORTED_FAMILIES = ("kimi_k3 (Kimi K3 / K3.1, with or without the DSA indexer)", "kimi_linear (text only)")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The text settings of a K3-family config, with the names config.json uses."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    routed_expert_hidden_size: int | None
+    first_k_dense_replace: int
+    kda_num_heads: int
+    kda_head_dim: int
+    short_conv_kernel_size: int
+    kda_layers: tuple[int, ...]  # 1-based, as in config.json
+    full_attn_layers: tuple[int, ...]  # 1-based
+    attn_res_block_size: int | None
+    rms_norm_eps: float = 1e-5
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
+    routed_scaling_factor: float = 1.0
+    moe_renormalize: bool = True
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    gate_lower_bound: float = -5.0
+    latent_moe_use_norm: bool = True
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TextConfig":
+        lac = d.get("linear_attn_config") or {}
+        try:
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_attention_heads=int(d["num_attention_heads"]),
+                q_lora_rank=int(d["q_lora_rank"]),
+                kv_lora_rank=int(d["kv_lora_rank"]),
+                qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+                v_head_dim=int(d["v_head_dim"]),
+                num_experts=int(d["num_experts"]),
+                num_experts_per_token=int(d["num_experts_per_token"]),
+                num_shared_experts=int(d.get("num_shared_experts", 0)),
+                moe_intermediate_size=int(d["moe_intermediate_size"]),
+                routed_expert_hidden_size=d.get("routed_expert_hidden_size"),
+                first_k_dense_replace=int(d.get("first_k_dense_replace", 0)),
+                kda_num_heads=int(lac.get("num_heads", 0)),
+                kda_head_dim=int(lac.get("head_dim", 0)),
+                short_conv_kernel_size=int(lac.get("short_conv_kernel_size", 4)),
+                kda_layers=tuple(int(x) for x in lac.get("kda_layers", ())),
+                full_attn_layers=tuple(int(x) for x in lac.get("full_attn_layers", ())),
+                attn_res_block_size=d.get("attn_res_block_size"),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                index_n_heads=d.get("index_n_heads"),
+                index_head_dim=d.get("index_head_dim"),
+                index_topk=d.get("index_topk"),
+                routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+                moe_renormalize=bool(d.get("moe_renormalize", True)),
+                situ_beta=float(d.get("activation_situ_beta", 4.0)),
+                situ_linear_beta=float(d.get("activation_situ_linear_beta", 25.0)),
+                gate_lower_bound=float(lac.get("gate_lower_bound", -5.0)),
+                latent_moe_use_norm=bool(d.get("latent_moe_use_norm", True)),
+                raw=d,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise KimiQuantError(f"config.json: K3-family text config is missing or has a bad field: {e}") from None
+
+    # -- layer structure ------------------------------------------------------------------
+    def is_kda(self, layer: int) -> bool:
+        return (layer + 1) in self.kda_layers
+
+    def is_full_attn(self, layer: int) -> bool:
+        return (layer + 1) in self.full_attn_layers or not self.kda_layers
+
+    def is_dense(self, layer: int) -> bool:
+        return layer < self.first_k_dense_replace
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_topk is not None
+
+    @property
+    def latent_size(self) -> int:
+        """Width the routed experts see: the latent size for a latent MoE, else hidden."""
+        return int(self.routed_expert_hidden_size or self.hidden_size)
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    """What a tensor is in the model, independent of how it is named."""
+
+    role: str  # e.g. "routed_expert.down", "kda.qkv_proj", "norm"
+    layer: int | None = None
+    expert: int | None = None
+    matmul: str | None = None  # "gate" | "up" | "down" for MLP-style linears (decides scale_bias)
+    linear: bool = False  # a Linear weight [out, in]: may be quantized
+    fuse_group: str | None = None  # tensors the loader fuses (or groups): they must share one scheme
+
+
+# Roles by name, relative to the text model prefix. Order matters: the first match wins.
+# Each entry: (regex, role, matmul, linear, fuse-group template). Groups: {L} = layer.
+_LAYER = r"model\.layers\.(?P<layer>\d+)\."
+_ROLE_TABLE: list[tuple[str, str, str | None, bool, str | None]] = [
+    (_LAYER + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w1\.weight", "routed_expert.gate", "gate", True, "L{L}.experts"),
+    (_LAYER + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w3\.weight", "routed_expert.up", "up", True, "L{L}.experts"),
+    (_LAYER + r"block_sparse_moe\.experts\.(?P<expert>\d+)\.w2\.weight", "routed_expert.down", "down", True, "L{L}.experts"),
+    (_LAYER + r"block_sparse_moe\.shared_experts\.gate_proj\.weight", "shared_expert.gate", "gate", True, "L{L}.shared_experts.gate_up"),
+    (_LAYER + r"block_sparse_moe\.shared_experts\.up_proj\.weight", "shared_expert.up", "up", True, "L{L}.shared_experts.gate_up"),
+    (_LAYER + r"block_sparse_moe\.shared_experts\.down_proj\.weight", "shared_expert.down", "down", True, None),
+    (_LAYER + r"block_sparse_moe\.routed_expert_down_proj\.weight", "latent_moe.down_proj", None, True, None),
+    (_LAYER + r"block_sparse_moe\.routed_expert_up_proj\.weight", "latent_moe.up_proj", None, True, None),
+    (_LAYER + r"block_sparse_moe\.routed_expert_norm\.weight", "norm", None, False, None),
+    (_LAYER + r"block_sparse_moe\.gate\.weight", "router.gate", None, True, None),
+    (_LAYER + r"block_sparse_moe\.gate\.e_score_correction_bias", "router.bias", None, False, None),
+    (_LAYER + r"mlp\.gate_proj\.weight", "dense_mlp.gate", "gate", True, "L{L}.mlp.gate_up"),
+    (_LAYER + r"mlp\.up_proj\.weight", "dense_mlp.up", "up", True, "L{L}.mlp.gate_up"),
+    (_LAYER + r"mlp\.down_proj\.weight", "dense_mlp.down", "down", True, None),
+    (_LAYER + r"self_attn\.indexer\.(wq_b|wk|weights_proj)\.weight", "dsa.indexer_proj", None, True, None),
+    (_LAYER + r"self_attn\.indexer\..*", "dsa.indexer_norm", None, False, None),
+    (_LAYER + r"self_attn\.[qkv]_proj\.weight", "kda.qkv_proj", None, True, None),
+    (_LAYER + r"self_attn\.[qkv]_conv1d\.weight", "kda.conv1d", None, False, None),
+    (_LAYER + r"self_attn\.(f_a_proj|f_b_proj|b_proj)\.weight", "kda.gate_proj", None, True, None),
+    (_LAYER + r"self_attn\.(A_log|dt_bias)", "kda.param", None, False, None),
+    (_LAYER + r"self_attn\.q_a_proj\.weight", "mla.q_a_proj", None, True, "L{L}.qkv_a"),
+    (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight", "mla.kv_a_proj", None, True, "L{L}.qkv_a"),
+    (_LAYER + r"self_attn\.q_b_proj\.weight", "mla.q_b_proj", None, True, None),
+    (_LAYER + r"self_attn\.kv_b_proj\.weight", "mla.kv_b_proj", None, True, None),
+    (_LAYER + r"self_attn\.g_proj\.weight", "attn.g_proj", None, True, None),
+    (_LAYER + r"self_attn\.o_proj\.weight", "attn.o_proj", None, True, None),
+    (_LAYER + r".*(norm|layernorm)\.(weight|bias)", "norm", None, False, None),
+    (_LAYER + r"(self_attention|mlp)_res_proj\.weight", "attn_res.proj", None, False, None),
+    (r"model\.output_attn_res_proj\.weight", "attn_res.proj", None, False, None),
+    (r"model\.(norm|output_attn_res_norm)\.weight", "norm", None, False, None),
+    (r"model\.embed_tokens\.weight", "embedding", None, False, None),
+    (r"lm_head\.weight", "lm_head", None, True, None),
+]
+_COMPILED = [(re.compile(p), role, mm, lin, fg) for p, role, mm, lin, fg in _ROLE_TABLE]
+_VISION = re.compile(r"(vision_tower|mm_projector|multi_modal_projector)\.")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A recognised K3-family model: its text config and how its tensors are named."""
+
+    family: str  # "kimi_k3" | "kimi_linear"
+    text: TextConfig
+    prefix: str  # prefix of text-model tensors: "language_model." for kimi_k3, "" for kimi_linear
+    config: dict[str, Any] = field(compare=False, repr=False, default_factory=dict)
+
+    def role(self, name: str) -> TensorRole:
+        """The role of tensor ``name``; unknown names get role "other" (FLOAT unless a recipe says otherwise)."""
+        if _VISION.match(name):
+            return TensorRole("vision")
+        rel = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
+        for rx, role, matmul, linear, fuse in _COMPILED:
+            m = rx.fullmatch(rel)
+            if m:
+                gd = m.groupdict()
+                layer = int(gd["layer"]) if gd.get("layer") is not None else None
+                expert = int(gd["expert"]) if gd.get("expert") is not None else None
+                return TensorRole(role, layer, expert, matmul, linear,
+                                  fuse.format(L=layer) if fuse else None)
+        return TensorRole("other")
+
+    def expected_tensors(self, with_vision: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Every tensor a checkpoint of this config holds: name -> (shape, safetensors dtype)."""
+        return expected_tensors(self.text, self.prefix, with_vision=with_vision and self.family == "kimi_k3")
+
+
+def expected_tensors(t: TextConfig, prefix: str = "language_model.",
+                     with_vision: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
+    H, V = t.hidden_size, t.vocab_size
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+
+    def add(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> None:
+        out[prefix + name] = (tuple(int(s) for s in shape), dtype)
+
+    add("model.embed_tokens.weight", (V, H))
+    for i in range(t.num_hidden_layers):
+        L = f"model.layers.{i}."
+        for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+            add(L + n + ".weight", (H,))
+        add(L + "self_attention_res_proj.weight", (1, H))
+        add(L + "mlp_res_proj.weight", (1, H))
+        if t.is_kda(i):
+            h, d, K = t.kda_num_heads, t.kda_head_dim, t.short_conv_kernel_size
+            P = h * d
+            for x in "qkv":
+                add(L + f"self_attn.{x}_proj.weight", (P, H))
+            for x in "qkv":
+                add(L + f"self_attn.{x}_conv1d.weight", (P, 1, K), "F32")
+            add(L + "self_attn.f_a_proj.weight", (d, H))
+            add(L + "self_attn.f_b_proj.weight", (P, d))
+            add(L + "self_attn.A_log", (-(-h // 128) * 128,), "F32")
+            add(L + "self_attn.dt_bias", (P,), "F32")
+            add(L + "self_attn.b_proj.weight", (h, H))
+            add(L + "self_attn.g_proj.weight", (P, H))
+            add(L + "self_attn.o_norm.weight", (d,), "F32")
+            add(L + "self_attn.o_proj.weight", (H, P))
+        else:
+            nh, dn, dr, dv = t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim
+            ql, kl = t.q_lora_rank, t.kv_lora_rank
+            add(L + "self_attn.q_a_proj.weight", (ql, H))
+            add(L + "self_attn.q_a_layernorm.weight", (ql,))
+            add(L + "self_attn.q_b_proj.weight", (nh * (dn + dr), ql))
+            add(L + "self_attn.kv_a_proj_with_mqa.weight", (kl + dr, H))
+            add(L + "self_attn.kv_a_layernorm.weight", (kl,))
+            add(L + "self_attn.kv_b_proj.weight", (nh * (dn + dv), kl))
+            add(L + "self_attn.g_proj.weight", (nh * dv, H))
+            add(L + "self_attn.o_proj.weight", (H, nh * dv))
+            if t.has_indexer:
+                ih, idd = int(t.index_n_heads), int(t.index_head_dim)
+                add(L + "self_attn.indexer.wq_b.weight", (ih * idd, ql))
+                add(L + "self_attn.indexer.wk.weight", (idd, H))
+                add(L + "self_attn.indexer.k_norm.weight", (idd,))
+                add(L + "self_attn.indexer.k_norm.bias", (idd,))
+                add(L + "self_attn.indexer.weights_proj.weight", (ih, H))
+        if t.is_dense(i):
+            D = t.intermediate_size
+            add(L + "mlp.gate_proj.weight", (D, H))
+            add(L + "mlp.up_proj.weight", (D, H))
+            add(L + "mlp.down_proj.weight", (H, D))
+        else:
+            E, I, R, S = t.num_experts, t.moe_intermediate_size, t.latent_size, t.num_shared_experts
+            M = L + "block_sparse_moe."
+            add(M + "gate.weight", (E, H))
+            add(M + "gate.e_score_correction_bias", (E,), "F32")
+            if t.routed_expert_hidden_size:
+                add(M + "routed_expert_down_proj.weight", (R, H))
+                add(M + "routed_expert_norm.weight", (R,))
+                add(M + "routed_expert_up_proj.weight", (H, R))
+            for e in range(E):
+                add(M + f"experts.{e}.w1.weight", (I, R))
+                add(M + f"experts.{e}.w3.weight", (I, R))
+                add(M + f"experts.{e}.w2.weight", (R, I))
+            if S:
+                add(M + "shared_experts.gate_proj.weight", (I * S, H))
+                add(M + "shared_experts.up_proj.weight", (I * S, H))
+                add(M + "shared_experts.down_proj.weight", (H, I * S))
+    add("model.norm.weight", (H,))
+    add("model.output_attn_res_norm.weight", (H,))
+    add("model.output_attn_res_proj.weight", (1, H))
+    add("lm_head.weight", (V, H))
+    if with_vision:
+        # A few vision tensors so that "never quantized" is exercised; the real tower is larger.
+        out["vision_tower.patch_embed.proj.weight"] = ((H, 3 * 14 * 14), "BF16")
+        out["vision_tower.blocks.0.attn.qkv.weight"] = ((3 * H, H), "BF16")
+        out["vision_tower.blocks.0.norm1.weight"] = ((H,), "BF16")
+        out["mm_projector.proj.0.weight"] = ((H, H), "BF16")
+    return out
+
+
+def spec_from_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """Recognise the K3 family from a parsed config.json, or refuse naming what is supported."""
+    model_type = config.get("model_type")
+    if model_type == "kimi_k3" and isinstance(config.get("text_config"), dict):
+        return ModelSpec("kimi_k3", TextConfig.from_dict(config["text_config"]), "language_model.", config)
+    if model_type == "kimi_linear":
+        return ModelSpec("kimi_linear", TextConfig.from_dict(config), "", config)
+    raise KimiQuantError(
+        f"{source}: model_type {model_type!r} is not a supported family; supported: "
+        f"{'; '.join(SUPPORTED_FAMILIES)} (or pass --recipe to convert another model)")
+
+
+def load_model_spec(source_dir: str | Path) -> ModelSpec:
+    path = Path(source_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KimiQuantError(f"{path}: not found (a source needs config.json)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KimiQuantError(f"{path}: not valid JSON ({e})") from None
+    return spec_from_config(config, str(path))
