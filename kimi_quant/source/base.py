@@ -1,0 +1,75 @@
+"""The Source interface: what the planner and the executors need from a checkpoint's origin.
+
+Planning needs only small files and safetensors headers. Conversion asks for one shard at a time
+with ``fetch`` (which blocks until the shard is local and verified) and says when it is done with it
+with ``release`` (a hub source may then delete its staged copy). ``prefetch`` announces the order in
+which shards will be needed so a hub source can download ahead within its disk window.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadCheckpoint
+from .safetensors import TensorInfo
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    name: str  # path relative to the repo root
+    size: int
+    sha256: str | None = None  # known for hub LFS files; None for local until hashed
+
+
+class Source:
+    id: str = ""
+    revision: str | None = None  # a commit sha for hub sources
+
+    def files(self) -> list[FileEntry]:
+        raise NotImplementedError
+
+    def read_bytes(self, name: str) -> bytes:
+        """A small file (config.json, the index, tokenizer files)."""
+        raise NotImplementedError
+
+    def header(self, name: str) -> dict[str, TensorInfo]:
+        """The validated safetensors header of shard ``name`` (offsets absolute in the file)."""
+        raise NotImplementedError
+
+    def fetch(self, name: str) -> Path:
+        """A local path to shard ``name``, complete and verified; blocks until it is."""
+        raise NotImplementedError
+
+    def release(self, name: str) -> None:
+        """Every output that needs ``name`` is written; a staging copy may be deleted."""
+
+    def prefetch(self, names: list[str]) -> None:
+        """Shards will be fetched in this order; a hub source may start downloading ahead."""
+
+    def close(self) -> None:
+        pass
+
+    # -- derived ---------------------------------------------------------------------------
+    def read_json(self, name: str) -> dict:
+        try:
+            return json.loads(self.read_bytes(name))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadCheckpoint(f"{self.id}/{name}: not valid JSON ({e})") from None
+
+    def weight_map(self) -> dict[str, str]:
+        """tensor name -> shard file, from the index (or the single ``model.safetensors``)."""
+        names = {f.name for f in self.files()}
+        if WEIGHT_INDEX in names:
+            index = self.read_json(WEIGHT_INDEX)
+            wm = index.get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise BadCheckpoint(f"{self.id}/{WEIGHT_INDEX}: has no weight_map")
+            return {str(k): str(v) for k, v in wm.items()}
+        if SINGLE_FILE in names:
+            return {t: SINGLE_FILE for t in self.header(SINGLE_FILE)}
+        raise BadCheckpoint(f"{self.id}: no {WEIGHT_INDEX} and no {SINGLE_FILE}: not a safetensors checkpoint")
