@@ -1,0 +1,96 @@
+"""Calibration / evaluation text: the shipped set, or a user's jsonl / txt / parquet file, or a hub dataset.
+
+``load_texts(None)`` gives the shipped held-out split (calibration/heldout.jsonl; licences in
+calibration/README.md). A path ending in ``.jsonl`` reads the ``text`` field of each line, ``.txt`` is
+one document, ``.parquet`` reads the ``text`` column (needs pyarrow). Names ``builtin:train`` and
+``builtin:heldout`` pick a shipped split. Anything else that is not an existing file is taken as a
+Hugging Face dataset id (``org/name`` or ``org/name:split``), which needs the ``datasets`` package and
+network access.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import KimiQuantError
+
+CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
+BUILTIN = {"builtin:train": "train.jsonl", "builtin:heldout": "heldout.jsonl"}
+
+
+def _jsonl(path: Path) -> list[str]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise KimiQuantError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            text = rec.get("text") if isinstance(rec, dict) else None
+            if not isinstance(text, str):
+                raise KimiQuantError(f"{path}:{lineno}: a calibration jsonl record needs a string 'text' field")
+            out.append(text)
+    return out
+
+
+def _parquet(path: Path) -> list[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise KimiQuantError(f"{path}: reading parquet needs pyarrow (pip install pyarrow), "
+                             f"or convert it to jsonl with a 'text' field") from None
+    table = pq.read_table(path)
+    if "text" not in table.column_names:
+        raise KimiQuantError(f"{path}: parquet file has no 'text' column (columns: {', '.join(table.column_names)})")
+    return [t for t in table.column("text").to_pylist() if isinstance(t, str)]
+
+
+def _hub(name: str) -> list[str]:
+    repo, _, split = name.partition(":")
+    try:
+        import datasets  # type: ignore
+    except ImportError:
+        raise KimiQuantError(f"calibration {name!r} is neither a file nor a shipped set, and loading a hub dataset "
+                             f"needs the 'datasets' package (or pass a jsonl/txt/parquet file)") from None
+    try:
+        ds = datasets.load_dataset(repo, split=split or "train")
+    except Exception as e:  # offline, unknown repo, ...
+        raise KimiQuantError(f"calibration dataset {name!r} could not be loaded from the hub "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                             f"offline machines need a local jsonl/txt/parquet file") from None
+    if "text" not in ds.column_names:
+        raise KimiQuantError(f"hub dataset {name!r} has no 'text' column")
+    return [t for t in ds["text"] if isinstance(t, str)]
+
+
+def load_texts(spec: str | Path | None = None) -> list[str]:
+    """The documents of a calibration source (see module docstring)."""
+    if spec is None:
+        spec = "builtin:heldout"
+    s = str(spec)
+    if s in BUILTIN:
+        path = CALIBRATION_DIR / BUILTIN[s]
+        if not path.is_file():
+            raise KimiQuantError(f"shipped calibration set {path} not found (installed without calibration/?); "
+                                 f"pass --calibration FILE")
+        return _jsonl(path)
+    path = Path(s)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl":
+            texts = _jsonl(path)
+        elif suffix == ".parquet":
+            texts = _parquet(path)
+        elif suffix in (".txt", ".md", ".text", ""):
+            texts = [path.read_text(encoding="utf-8")]
+        else:
+            raise KimiQuantError(f"{path}: unknown calibration file type {suffix!r} (use .jsonl, .txt or .parquet)")
+        if not any(t.strip() for t in texts):
+            raise KimiQuantError(f"{path}: holds no text")
+        return texts
+    if path.suffix.lower() in (".jsonl", ".txt", ".parquet") or s.startswith((".", "/")):
+        raise KimiQuantError(f"{path}: calibration file not found")
+    return _hub(s)

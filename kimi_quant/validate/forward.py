@@ -1,0 +1,386 @@
+"""Plain-torch fp32 reference forward of the Kimi K3 / K3.1 family (architecture.md), layer-streamed.
+
+The model is run one decoder layer at a time: ``embed`` makes the initial :class:`State`,
+``layer_forward`` maps (one layer's weights, state) -> state, and ``head`` turns the final state into
+logits. The state carried between layers is ``(x, blocks)`` (block attention residuals), never one
+hidden vector, so only one layer's weights need to be in memory at a time.
+
+Weights are passed as ``dict[str, Tensor]`` with names relative to the layer prefix
+(``self_attn.q_proj.weight``, ``block_sparse_moe.experts.3.w1.weight``, ...) for a layer, and relative
+to the text-model prefix (``model.embed_tokens.weight``, ``lm_head.weight``, ...) for the globals.
+``act`` optionally maps a Linear weight name to an activation quantizer applied to that Linear's
+input, the way the device does it: ``"int8"`` (per-token dynamic, symmetric, absmax/127, used by
+W8A8_DYNAMIC / W4A8_DYNAMIC) or ``"mxfp8"`` (E4M3 elements with an E8M0 scale per block of 32 along K,
+shared exponent = floor(log2(amax)) - 8, used by W8A8_MXFP8 / W4A8_MXFP).
+
+Everything is differentiable (the tiny fixture is trained with it). Tensors are ``[B, T, ...]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..model.spec import TextConfig
+
+Weights = dict[str, torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------------------
+# activation quantizers (fake-quant: quantize then dequantize, fp32 out)
+# ------------------------------------------------------------------------------------------------
+def quant_act_int8(x: torch.Tensor) -> torch.Tensor:
+    """int8 per-token dynamic symmetric: s = absmax(row)/127, q = round(x/s) in [-127, 127]."""
+    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.clamp(torch.round(x / s), -127, 127) * s
+
+
+def quant_act_mxfp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """MXFP8: per block of 32 along the last dim, E8M0 scale 2^(floor(log2(amax)) - 8), E4M3 elements."""
+    K = x.shape[-1]
+    if K % block:
+        raise ValueError(f"MXFP8 activations need K divisible by {block}, got {K}")
+    xb = x.reshape(*x.shape[:-1], K // block, block)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
+    e = torch.clamp(torch.floor(torch.log2(safe)) - 8, -127, 127)
+    scale = torch.exp2(e)
+    y = torch.clamp(xb / scale, -448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32) * scale
+    return y.reshape(x.shape)
+
+
+ACT_QUANT = {"int8": quant_act_int8, "mxfp8": quant_act_mxfp8}
+
+
+# ------------------------------------------------------------------------------------------------
+# small pieces
+# ------------------------------------------------------------------------------------------------
+def rmsnorm(x: torch.Tensor, w: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return y * w if w is not None else y
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
+
+
+def situ(a: torch.Tensor, b: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    """SiTU(a, b) = [beta*tanh(a/beta)*sigmoid(a)] * [linear_beta*tanh(b/linear_beta)]."""
+    return (beta * torch.tanh(a / beta) * torch.sigmoid(a)) * (linear_beta * torch.tanh(b / linear_beta))
+
+
+class _Lin:
+    """Applies named Linears from a weight dict, with the per-name activation quantizer if any."""
+
+    def __init__(self, w: Weights, act: dict[str, str] | None):
+        self.w = w
+        self.act = act or {}
+
+    def __call__(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        mode = self.act.get(name)
+        if mode:
+            x = ACT_QUANT[mode](x)
+        return x @ self.w[name].t()
+
+
+# ------------------------------------------------------------------------------------------------
+# KDA: gated delta rule with per-key-channel log-space decay
+# ------------------------------------------------------------------------------------------------
+def kda_recurrent(q, k, v, g, beta, initial_state=None):
+    """Token-by-token KDA recurrence (the definition).
+
+    q, k: [B, T, h, dk] (q already scaled); v: [B, T, h, dv]; g: [B, T, h, dk] log decay (<= 0);
+    beta: [B, T, h]. Per token: S = S*exp(g_t)[:, None]; S += outer(beta_t k_t, v_t - k_t^T S); o_t = q_t^T S.
+    Returns (o [B, T, h, dv], final state [B, h, dk, dv]).
+    """
+    B, T, h, dk = k.shape
+    dv = v.shape[-1]
+    S = q.new_zeros(B, h, dk, dv) if initial_state is None else initial_state
+    outs = []
+    for t in range(T):
+        S = S * torch.exp(g[:, t]).unsqueeze(-1)
+        kt = k[:, t]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
+        S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t].unsqueeze(-1) * kt, v[:, t] - pred)
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, dim=1), S
+
+
+def kda_chunked(q, k, v, g, beta, chunk_size: int = 64, initial_state=None):
+    """The same recurrence in chunks (WY form), exact up to fp32 rounding.
+
+    Within a chunk with inclusive cumulative decay G_t, the state after token t is
+    S_t = D_t S_0 + sum_{i<=t} diag(exp(G_t - G_i)) k_i u_i^T, where the pseudo-values u solve the
+    unit lower-triangular system u_t + beta_t sum_{i<t} A_ti u_i = beta_t (v_t - (k_t e^{G_t})^T S_0),
+    A_ti = sum_c k_t[c] k_i[c] exp(G_t[c] - G_i[c]). Pairwise decays are formed as exp of differences
+    (never exp(-G) alone), so a decay of up to -5 per token cannot overflow over a 64-token chunk.
+    """
+    B, T, h, dk = k.shape
+    dv = v.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    if pad:
+        # padded tokens: k = v = q = 0, beta = 0, g = 0 -> state and outputs untouched
+        q, k, v, g = (F.pad(a, (0, 0, 0, 0, 0, pad)) for a in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    N = (T + pad) // C
+    # -> [B, h, N, C, d]
+    q, k, v, g = (a.reshape(B, N, C, h, -1).permute(0, 3, 1, 2, 4) for a in (q, k, v, g))
+    beta = beta.reshape(B, N, C, h).permute(0, 3, 1, 2)
+    G = torch.cumsum(g, dim=3)
+    diff = G.unsqueeze(4) - G.unsqueeze(3)  # [B, h, N, C(t), C(i), dk] = G_t - G_i
+    idx = torch.arange(C, device=q.device)
+    incl = idx[:, None] >= idx[None, :]
+    strict = idx[:, None] > idx[None, :]
+    decay = torch.exp(torch.where(incl[:, :, None], diff, torch.full_like(diff, -math.inf)))
+    A_kk = torch.einsum("bhntc,bhnic,bhntic->bhnti", k, k, decay) * strict
+    A_qk = torch.einsum("bhntc,bhnic,bhntic->bhnti", q, k, decay)  # inclusive (decay is 0 above)
+    eye = torch.eye(C, device=q.device, dtype=q.dtype)
+    Tm = eye + beta.unsqueeze(-1) * A_kk
+    kg = k * torch.exp(G)
+    qg = q * torch.exp(G)
+    rhs = torch.cat([beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * kg], dim=-1)
+    sol = torch.linalg.solve_triangular(Tm, rhs, upper=False, unitriangular=True)
+    U0, W = sol[..., :dv], sol[..., dv:]  # u = U0 - W S_0
+    G_last = G[:, :, :, -1:, :]  # [B, h, N, 1, dk]
+    k_end = k * torch.exp(G_last - G)  # decay from token i to the end of the chunk
+    S = q.new_zeros(B, h, dk, dv) if initial_state is None else initial_state
+    outs = []
+    for n in range(N):
+        u = U0[:, :, n] - W[:, :, n] @ S
+        outs.append(qg[:, :, n] @ S + A_qk[:, :, n] @ u)
+        S = torch.exp(G_last[:, :, n, 0]).unsqueeze(-1) * S + k_end[:, :, n].transpose(-1, -2) @ u
+    o = torch.stack(outs, dim=2)  # [B, h, N, C, dv]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, h, dv)[:, :T]
+    return o, S
+
+
+def _causal_conv_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, T, P], w [P, 1, K]: causal depthwise conv then SiLU."""
+    T = x.shape[1]
+    y = F.conv1d(x.transpose(1, 2), w, padding=w.shape[-1] - 1, groups=w.shape[0])[..., :T]
+    return F.silu(y.transpose(1, 2))
+
+
+def kda_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, kda_impl: str = "chunked",
+                  chunk_size: int = 64) -> torch.Tensor:
+    lin = _Lin(w, act)
+    B, T, _ = x.shape
+    h, d = cfg.kda_num_heads, cfg.kda_head_dim
+    q = _causal_conv_silu(lin(x, "self_attn.q_proj.weight"), w["self_attn.q_conv1d.weight"]).view(B, T, h, d)
+    k = _causal_conv_silu(lin(x, "self_attn.k_proj.weight"), w["self_attn.k_conv1d.weight"]).view(B, T, h, d)
+    v = _causal_conv_silu(lin(x, "self_attn.v_proj.weight"), w["self_attn.v_conv1d.weight"]).view(B, T, h, d)
+    q = l2norm(q) * d ** -0.5
+    k = l2norm(k)
+    f = lin(lin(x, "self_attn.f_a_proj.weight"), "self_attn.f_b_proj.weight") + w["self_attn.dt_bias"]
+    A = torch.exp(w["self_attn.A_log"][:h]).view(h, 1)
+    g = -abs(cfg.gate_lower_bound) * torch.sigmoid(A * f.view(B, T, h, d))  # log decay in [lb, 0]
+    beta = torch.sigmoid(lin(x, "self_attn.b_proj.weight"))
+    if kda_impl == "recurrent":
+        o, _ = kda_recurrent(q, k, v, g, beta)
+    else:
+        o, _ = kda_chunked(q, k, v, g, beta, chunk_size=chunk_size)
+    o = rmsnorm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
+    o = o * torch.sigmoid(lin(x, "self_attn.g_proj.weight")).view(B, T, h, d)
+    return lin(o.reshape(B, T, h * d), "self_attn.o_proj.weight")
+
+
+# ------------------------------------------------------------------------------------------------
+# gated NoPE MLA with the optional DSA lightning indexer
+# ------------------------------------------------------------------------------------------------
+def rope_half(x: torch.Tensor, positions: torch.Tensor, dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Non-interleaved (half-split) RoPE on the first ``dim`` channels of x [..., T, heads?, D]; x is [B, T, *, D]."""
+    half = dim // 2
+    inv = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) * 2.0 / dim)
+    ang = positions.to(torch.float32)[:, None] * inv[None, :]  # [T, half]
+    shape = [1, x.shape[1]] + [1] * (x.dim() - 3) + [half]
+    cos, sin = ang.cos().view(shape), ang.sin().view(shape)
+    x1, x2, rest = x[..., :half], x[..., half:dim], x[..., dim:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], dim=-1)
+
+
+def indexer_scores(cfg: TextConfig, w: Weights, x: torch.Tensor, qr: torch.Tensor, act=None) -> torch.Tensor:
+    """DSA lightning-indexer scores I[b, s, t] (causal entries only meaningful)."""
+    lin = _Lin(w, act)
+    B, T, _ = x.shape
+    ih, idd = int(cfg.index_n_heads), int(cfg.index_head_dim)
+    dr = cfg.qk_rope_head_dim
+    theta = float(cfg.raw.get("rope_theta", 10000.0))
+    pos = torch.arange(T, device=x.device)
+    qi = lin(qr, "self_attn.indexer.wq_b.weight").view(B, T, ih, idd)
+    ki = F.layer_norm(lin(x, "self_attn.indexer.wk.weight"), (idd,), w["self_attn.indexer.k_norm.weight"],
+                      w["self_attn.indexer.k_norm.bias"], eps=1e-6)
+    qi = rope_half(qi, pos, dr, theta)
+    ki = rope_half(ki, pos, dr, theta)
+    wts = lin(x, "self_attn.indexer.weights_proj.weight") * ih ** -0.5  # [B, T, ih]
+    dots = torch.relu(torch.einsum("bshd,btd->bsht", qi, ki)) * idd ** -0.5
+    return torch.einsum("bsht,bsh->bst", dots, wts)
+
+
+def topk_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Causal top-k keep mask from indexer scores [B, S, T]: True where kept."""
+    T = scores.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=scores.device).tril()
+    if topk >= T:
+        return causal.expand_as(scores).clone()
+    s = scores.masked_fill(~causal, -math.inf)
+    idx = s.topk(topk, dim=-1).indices
+    keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+    return keep & causal
+
+
+def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> torch.Tensor:
+    lin = _Lin(w, act)
+    B, T, _ = x.shape
+    nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    eps = cfg.rms_norm_eps
+    qr = rmsnorm(lin(x, "self_attn.q_a_proj.weight"), w["self_attn.q_a_layernorm.weight"], eps)
+    q = lin(qr, "self_attn.q_b_proj.weight").view(B, T, nh, dn + dr)
+    ckv = lin(x, "self_attn.kv_a_proj_with_mqa.weight")
+    c, k_pe = ckv[..., :cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
+    c = rmsnorm(c, w["self_attn.kv_a_layernorm.weight"], eps)
+    kv = lin(c, "self_attn.kv_b_proj.weight").view(B, T, nh, dn + dv)
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, T, nh, dr)], dim=-1)
+    scores = torch.einsum("bshd,bthd->bhst", q, k) * (dn + dr) ** -0.5
+    if cfg.has_indexer and "self_attn.indexer.wq_b.weight" in w:
+        keep = topk_mask(indexer_scores(cfg, w, x, qr, act), int(cfg.index_topk)).unsqueeze(1)
+    else:
+        keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+    scores = scores.masked_fill(~keep, -math.inf)
+    o = torch.einsum("bhst,bthd->bshd", torch.softmax(scores, dim=-1), v).reshape(B, T, nh * dv)
+    o = o * torch.sigmoid(lin(x, "self_attn.g_proj.weight"))
+    return lin(o, "self_attn.o_proj.weight")
+
+
+# ------------------------------------------------------------------------------------------------
+# MLPs: dense SiTU MLP, sigmoid router, latent MoE
+# ------------------------------------------------------------------------------------------------
+def dense_mlp(cfg: TextConfig, w: Weights, x: torch.Tensor, prefix: str, act=None) -> torch.Tensor:
+    lin = _Lin(w, act)
+    a = lin(x, prefix + "gate_proj.weight")
+    b = lin(x, prefix + "up_proj.weight")
+    return lin(situ(a, b, cfg.situ_beta, cfg.situ_linear_beta), prefix + "down_proj.weight")
+
+
+def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Tensor):
+    """Sigmoid router: (indices [.., k], weights [.., k]); selection by score + correction bias."""
+    s = torch.sigmoid(x @ gate_w.t())
+    idx = (s + bias).topk(cfg.num_experts_per_token, dim=-1).indices
+    wts = s.gather(-1, idx)
+    if cfg.moe_renormalize:
+        wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
+    return idx, wts * cfg.routed_scaling_factor
+
+
+def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> torch.Tensor:
+    lin = _Lin(w, act)
+    M = "block_sparse_moe."
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1])
+    idx, wts = route(cfg, w[M + "gate.weight"], w[M + "gate.e_score_correction_bias"], xf)
+    latent = bool(cfg.routed_expert_hidden_size)
+    z = lin(xf, M + "routed_expert_down_proj.weight") if latent else xf
+    y = z.new_zeros(z.shape)
+    for e in range(cfg.num_experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        ze = z[tok]
+        E = f"{M}experts.{e}."
+        he = situ(lin(ze, E + "w1.weight"), lin(ze, E + "w3.weight"), cfg.situ_beta, cfg.situ_linear_beta)
+        y = y.index_add(0, tok, lin(he, E + "w2.weight") * wts[tok, slot].unsqueeze(-1))
+    if latent:
+        if cfg.latent_moe_use_norm:
+            y = rmsnorm(y, w[M + "routed_expert_norm.weight"], cfg.rms_norm_eps)
+        y = lin(y, M + "routed_expert_up_proj.weight")
+    if cfg.num_shared_experts:
+        y = y + dense_mlp(cfg, w, xf, M + "shared_experts.", act)
+    return y.reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# block attention residuals and the layer-streamed model
+# ------------------------------------------------------------------------------------------------
+def attn_res_mix(blocks: list[torch.Tensor], p: torch.Tensor, proj: torch.Tensor, norm: torch.Tensor,
+                 eps: float = 1e-5) -> torch.Tensor:
+    """sum_k softmax_k(<rmsnorm(v_k), norm * proj[0]>) v_k over v = blocks + [p] (p alone if no blocks)."""
+    if not blocks:
+        return p
+    vals = torch.stack(list(blocks) + [p], dim=0)  # [n, B, T, H]
+    logits = (rmsnorm(vals, None, eps) * (norm * proj[0])).sum(-1)
+    return (torch.softmax(logits, dim=0).unsqueeze(-1) * vals).sum(0)
+
+
+@dataclass
+class State:
+    """What flows between decoder layers: the running residual x and the closed residual blocks."""
+
+    x: torch.Tensor
+    blocks: list[torch.Tensor] = field(default_factory=list)
+
+
+def embed(gw: Weights, ids: torch.Tensor) -> State:
+    return State(F.embedding(ids, gw["model.embed_tokens.weight"]), [])
+
+
+def layer_forward(cfg: TextConfig, i: int, w: Weights, state: State, act: dict[str, str] | None = None,
+                  kda_impl: str = "chunked", chunk_size: int = 64) -> State:
+    """Decoder layer ``i`` on the carried state, with this layer's weights only (names relative to the layer)."""
+    eps = cfg.rms_norm_eps
+    Bsz = cfg.attn_res_block_size or 0
+    blocks = list(state.blocks)
+    p = state.x
+    h = attn_res_mix(blocks, p, w["self_attention_res_proj.weight"], w["self_attention_res_norm.weight"], eps) \
+        if Bsz else p
+    if Bsz and i % Bsz == 0:
+        blocks.append(p)
+        p = None
+    hn = rmsnorm(h, w["input_layernorm.weight"], eps)
+    if cfg.is_kda(i) and not cfg.is_full_attn(i):
+        a = kda_attention(cfg, w, hn, act, kda_impl, chunk_size)
+    else:
+        a = mla_attention(cfg, w, hn, act)
+    p = a if p is None else p + a
+    h2 = attn_res_mix(blocks, p, w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], eps) if Bsz else p
+    h2n = rmsnorm(h2, w["post_attention_layernorm.weight"], eps)
+    m = dense_mlp(cfg, w, h2n, "mlp.", act) if cfg.is_dense(i) else moe(cfg, w, h2n, act)
+    return State(p + m, blocks)
+
+
+def head(cfg: TextConfig, gw: Weights, state: State, act: dict[str, str] | None = None) -> torch.Tensor:
+    eps = cfg.rms_norm_eps
+    x = state.x
+    if cfg.attn_res_block_size:
+        x = attn_res_mix(state.blocks, x, gw["model.output_attn_res_proj.weight"],
+                         gw["model.output_attn_res_norm.weight"], eps)
+    x = rmsnorm(x, gw["model.norm.weight"], eps)
+    return _Lin(gw, act)(x, "lm_head.weight")
+
+
+def forward(cfg: TextConfig, gw: Weights, layers: list[Weights], ids: torch.Tensor, **kw) -> torch.Tensor:
+    """Whole-model logits [B, T, V] from in-memory weights (training and tests; streaming uses the parts)."""
+    st = embed(gw, ids)
+    for i, w in enumerate(layers):
+        st = layer_forward(cfg, i, w, st, **kw)
+    return head(cfg, gw, st)
+
+
+def split_weights(cfg: TextConfig, tensors: dict[str, torch.Tensor], prefix: str = "language_model.") \
+        -> tuple[Weights, list[Weights]]:
+    """Full-name tensors -> (globals relative to ``prefix``, per-layer dicts relative to the layer prefix)."""
+    gw: Weights = {}
+    layers: list[Weights] = [{} for _ in range(cfg.num_hidden_layers)]
+    lp = prefix + "model.layers."
+    for name, t in tensors.items():
+        if name.startswith(lp):
+            rest = name[len(lp):]
+            i, rel = rest.split(".", 1)
+            layers[int(i)][rel] = t
+        elif name.startswith(prefix):
+            gw[name[len(prefix):]] = t
+    return gw, layers

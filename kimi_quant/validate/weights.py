@@ -1,0 +1,192 @@
+"""Weight loaders for the layer-streamed reference forward.
+
+``WeightLoader.layer(i)`` returns one decoder layer's weights as fp32 tensors keyed by names relative
+to the layer prefix, plus the activation quantizer each Linear's input gets (empty for BF16 sources).
+Only the shards holding that layer are touched; nothing else stays resident.
+
+* :class:`SourceLoader` reads a BF16 source checkpoint (``model.safetensors.index.json`` or a single
+  ``model.safetensors``).
+* :class:`QuantizedLoader` reads an ascendV1 output directory (``quant_model_description.json`` +
+  ``quant_model_weights.safetensors.index.json``), dequantizes each quantized Linear with its codec
+  (``kimi_quant.quant.get_codec(TYPE).dequantize``) and takes FLOAT tensors as they are. Linears of
+  type W8A8_DYNAMIC / W4A8_DYNAMIC get int8 per-token activations, W8A8_MXFP8 / W4A8_MXFP get MXFP8.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..dtypes import to_f32
+from ..errors import BadCheckpoint, KimiQuantError
+from ..model.spec import ModelSpec, load_model_spec
+from ..source.safetensors import SafetensorsReader
+
+QUANT_DESCRIPTION = "quant_model_description.json"
+QUANT_INDEX = "quant_model_weights.safetensors.index.json"
+SOURCE_INDEX = "model.safetensors.index.json"
+SOURCE_SINGLE = "model.safetensors"
+
+#: activation quantizer the device applies before a Linear of each type
+ACT_OF_TYPE = {
+    "FLOAT": None,
+    "W8A8_DYNAMIC": "int8",
+    "W4A8_DYNAMIC": "int8",
+    "W8A8_MXFP8": "mxfp8",
+    "W4A8_MXFP": "mxfp8",
+}
+QUANT_SUFFIXES = ("weight_scale", "weight_offset", "scale_bias")
+GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "model.output_attn_res_norm.weight",
+                "model.output_attn_res_proj.weight", "lm_head.weight")
+
+
+class WeightLoader:
+    """Base: a spec, a weight map (tensor -> file) and cached shard readers."""
+
+    root: Path
+    spec: ModelSpec
+    weight_map: dict[str, str]
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise KimiQuantError(f"{self.root}: not a directory")
+        self.spec = load_model_spec(self.root)
+        self._readers: dict[str, SafetensorsReader] = {}
+        self._expected = self.spec.expected_tensors(with_vision=False)
+
+    @property
+    def cfg(self):
+        return self.spec.text
+
+    def _reader(self, file: str) -> SafetensorsReader:
+        r = self._readers.get(file)
+        if r is None:
+            path = self.root / file
+            if not path.exists():
+                raise BadCheckpoint(f"{path}: named in the index but missing")
+            r = self._readers[file] = SafetensorsReader(path)
+        return r
+
+    def _raw(self, name: str) -> tuple[np.ndarray, str]:
+        try:
+            file = self.weight_map[name]
+        except KeyError:
+            raise BadCheckpoint(f"{self.root}: tensor {name!r} is not in the weight map") from None
+        r = self._reader(file)
+        return r.array(name), r.info(name).dtype
+
+    def _float(self, name: str) -> torch.Tensor:
+        arr, dtype = self._raw(name)
+        return torch.from_numpy(np.array(to_f32(arr, dtype), dtype=np.float32, copy=True))
+
+    def tensor(self, name: str) -> tuple[torch.Tensor, str | None]:
+        """(fp32 tensor, activation quantizer or None) for full tensor name ``name``."""
+        return self._float(name), None
+
+    def _load(self, names: list[str], strip: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        w: dict[str, torch.Tensor] = {}
+        act: dict[str, str] = {}
+        for n in names:
+            t, a = self.tensor(n)
+            rel = n[len(strip):]
+            w[rel] = t
+            if a:
+                act[rel] = a
+        return w, act
+
+    def globals(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        p = self.spec.prefix
+        return self._load([p + n for n in GLOBAL_NAMES], p)
+
+    def layer(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        lp = f"{self.spec.prefix}model.layers.{i}."
+        names = [n for n in self._expected if n.startswith(lp)]
+        out = self._load(names, lp)
+        self.release()
+        return out
+
+    def release(self) -> None:
+        for r in self._readers.values():
+            for name in r.tensors:
+                r.release(name)
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise KimiQuantError(f"{path}: not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadCheckpoint(f"{path}: not valid JSON ({e})") from None
+
+
+class SourceLoader(WeightLoader):
+    """A BF16 (or F32) source checkpoint directory."""
+
+    def __init__(self, root: str | Path):
+        super().__init__(root)
+        index = self.root / SOURCE_INDEX
+        if index.exists():
+            wm = _read_json(index).get("weight_map")
+            if not isinstance(wm, dict) or not wm:
+                raise BadCheckpoint(f"{index}: has no weight_map")
+            self.weight_map = {str(k): str(v) for k, v in wm.items()}
+        elif (self.root / SOURCE_SINGLE).exists():
+            self.weight_map = {n: SOURCE_SINGLE for n in self._reader(SOURCE_SINGLE).tensors}
+        else:
+            raise KimiQuantError(f"{self.root}: no {SOURCE_INDEX} and no {SOURCE_SINGLE}: not a source checkpoint")
+
+
+class QuantizedLoader(WeightLoader):
+    """An ascendV1 output directory, dequantized on read."""
+
+    def __init__(self, root: str | Path):
+        super().__init__(root)
+        if not (self.root / QUANT_DESCRIPTION).exists():
+            raise KimiQuantError(f"{self.root}: no {QUANT_DESCRIPTION}: not an ascendV1 quantized directory")
+        self.description = _read_json(self.root / QUANT_DESCRIPTION)
+        wm = _read_json(self.root / QUANT_INDEX).get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise BadCheckpoint(f"{self.root / QUANT_INDEX}: has no weight_map")
+        self.weight_map = {str(k): str(v) for k, v in wm.items()}
+
+    def type_of(self, name: str) -> str:
+        t = self.description.get(name)
+        if not isinstance(t, str):
+            raise BadCheckpoint(f"{self.root / QUANT_DESCRIPTION}: no type for tensor {name!r}")
+        return t
+
+    def tensor(self, name: str) -> tuple[torch.Tensor, str | None]:
+        qtype = self.type_of(name)
+        if qtype == "FLOAT":
+            return self._float(name), None
+        if qtype not in ACT_OF_TYPE:
+            raise KimiQuantError(f"{self.root}: tensor {name!r} has type {qtype!r}, which validation cannot "
+                                 f"simulate (supported: {', '.join(ACT_OF_TYPE)})")
+        from ..quant import get_codec
+
+        base = name[: -len("weight")] if name.endswith("weight") else name + "."
+        parts = {"weight": np.array(self._raw(name)[0], copy=True)}
+        for suf in QUANT_SUFFIXES:
+            if base + suf in self.weight_map:
+                parts[suf] = np.array(self._raw(base + suf)[0], copy=True)
+        w = np.asarray(get_codec(qtype).dequantize(parts), dtype=np.float32)
+        shape = self._expected.get(name, (None,))[0]
+        if shape is not None and tuple(w.shape) != tuple(shape):
+            raise BadCheckpoint(f"{self.root}: {name!r} dequantizes to {list(w.shape)}, expected {list(shape)}")
+        return torch.from_numpy(np.ascontiguousarray(w)), ACT_OF_TYPE[qtype]
