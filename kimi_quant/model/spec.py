@@ -178,12 +178,14 @@ class ModelSpec:
     """A recognised K3-family model: its text config and how its tensors are named."""
 
     family: str  # "kimi_k3" | "kimi_linear"
-    text: TextConfig
+    text: TextConfig | None  # None for a generic (non-K3) model converted with a user recipe
     prefix: str  # prefix of text-model tensors: "language_model." for kimi_k3, "" for kimi_linear
     config: dict[str, Any] = field(compare=False, repr=False, default_factory=dict)
 
     def role(self, name: str) -> TensorRole:
         """The role of tensor ``name``; unknown names get role "other" (FLOAT unless a recipe says otherwise)."""
+        if self.family == "generic":
+            return TensorRole("other")
         if _VISION.match(name):
             return TensorRole("vision")
         rel = name[len(self.prefix):] if self.prefix and name.startswith(self.prefix) else name
@@ -306,3 +308,14 @@ def load_model_spec(source_dir: str | Path) -> ModelSpec:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KimiQuantError(f"{path}: not valid JSON ({e})") from None
     return spec_from_config(config, str(path))
+
+
+def load_model_spec_from_source(source, recipe_given: bool = False) -> ModelSpec:
+    """The spec of a Source's config.json; with a user recipe, an unknown family is converted generically."""
+    config = source.read_json("config.json")
+    try:
+        return spec_from_config(config, f"{source.id}/config.json")
+    except KimiQuantError:
+        if not recipe_given or config.get("model_type") in ("kimi_k3", "kimi_linear"):
+            raise
+        return ModelSpec("generic", None, "", config)

@@ -144,13 +144,15 @@ class SafetensorsReader:
     def release(self, name: str) -> None:
         """Tell the kernel the pages of ``name`` are no longer needed (keeps RSS flat)."""
         t = self.tensors.get(name)
-        if t is None or self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if t is not None:
+            self.release_range(t.start, t.nbytes)
+
+    def release_range(self, start: int, length: int) -> None:
+        if self._mmap is None or length <= 0 or not hasattr(mmap, "MADV_DONTNEED"):
             return
         page = mmap.PAGESIZE
-        start = (t.start // page) * page
-        length = t.end - start
-        if length > 0:
-            try:
-                self._mmap.madvise(mmap.MADV_DONTNEED, start, length)
-            except (OSError, ValueError):
-                pass
+        aligned = (start // page) * page
+        try:
+            self._mmap.madvise(mmap.MADV_DONTNEED, aligned, length + start - aligned)
+        except (OSError, ValueError):
+            pass

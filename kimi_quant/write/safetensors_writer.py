@@ -67,6 +67,20 @@ class ShardWriter:
         self._write(buf)
         self._next += 1
 
+    def write_chunks(self, name: str, chunks) -> None:
+        """Append tensor ``name`` from consecutive pieces (e.g. slices of an mmap), never all in memory."""
+        exp_name, dtype, shape = self._entries[self._next]
+        if name != exp_name:
+            raise RuntimeError(f"writer for {self.path.name}: expected tensor {exp_name}, got {name}")
+        total = 0
+        for chunk in chunks:
+            buf = memoryview(np.ascontiguousarray(chunk)).cast("B")
+            self._write(buf)
+            total += buf.nbytes
+        if total != nbytes(dtype, shape):
+            raise RuntimeError(f"writer for {self.path.name}: {name} has {total} bytes, expected {nbytes(dtype, shape)}")
+        self._next += 1
+
     def commit(self) -> tuple[int, str]:
         """Flush, fsync and rename into place; returns (size, sha256 hex)."""
         if self._next != len(self._entries):

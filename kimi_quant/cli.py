@@ -1,0 +1,270 @@
+"""The ``kimi-quant`` command line.
+
+Every user-caused failure is one line on stderr and a non-zero exit; ``--debug`` (or
+KIMI_QUANT_DEBUG=1) shows the traceback as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from . import __version__
+from .errors import KimiQuantError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '500MB', '2g', '123' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 4GiB, 500MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class Size(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, int) else parse_size(value)
+
+
+def _gb(n: int | float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KimiQuantError as e:
+            if ctx.obj and ctx.obj.get("debug"):
+                traceback.print_exc()
+            click.echo(f"kimi-quant: error: {e}", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("kimi-quant: interrupted; re-run the same command to resume", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kimi-quant")
+@click.option("--debug", is_flag=True, envvar="KIMI_QUANT_DEBUG", help="Show tracebacks on errors.")
+@click.pass_context
+def main(ctx, debug):
+    """Convert BF16 Kimi K3 / K3.1 checkpoints into Ascend ascendV1 quantized checkpoints.
+
+    \b
+    Typical use:
+      kimi-quant targets                                   # device families and their schemes
+      kimi-quant synth --preset tiny --output tiny-bf16    # a small K3.1-shaped checkpoint
+      kimi-quant plan tiny-bf16 --target 950dt             # dry run from headers only
+      kimi-quant convert tiny-bf16 --target 950dt --output tiny-950dt
+      kimi-quant verify tiny-950dt
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+# -- targets ---------------------------------------------------------------------------------
+@main.command()
+def targets():
+    """List the device families (--target values), their schemes and status."""
+    from .targets import TARGETS
+
+    for t in TARGETS.values():
+        status = "supported" if t.supported else "not yet supported"
+        click.echo(f"{t.name:7s} {status:18s} {t.hardware}")
+        if t.supported:
+            click.echo(f"{'':26s} {t.scheme}")
+    click.echo("\nAliases such as A3, atlas-a3, 800i-a3, 950DT, ascend-950dt are accepted.")
+
+
+# -- shared options ----------------------------------------------------------------------------
+def _plan_options(f):
+    for deco in reversed([
+        click.argument("source"),
+        click.option("--target", "-t", required=True, help="Device family: a3 (W4A8 int) or 950dt (W4A8 MXFP)."),
+        click.option("--recipe", type=click.Path(dir_okay=False), help="Recipe TOML replacing the built-in one."),
+        click.option("--override", "overrides", multiple=True, metavar="PATTERN=SCHEME",
+                     help="Set the scheme of tensors matching a glob, e.g. '*.layers.3.*=FLOAT'. Repeatable."),
+        click.option("--max-shard-size", type=Size(), default="4GiB", show_default=True,
+                     help="Largest output shard."),
+        click.option("--revision", help="Hub branch, tag or commit (resolved to a commit sha once)."),
+    ]):
+        f = deco(f)
+    return f
+
+
+def _open(source, revision, work_dir=None):
+    from .source import open_source
+
+    return open_source(source, revision=revision, work_dir=work_dir)
+
+
+# -- plan ---------------------------------------------------------------------------------------
+@main.command()
+@_plan_options
+@click.option("--workers", type=int, default=None, help="Worker processes the memory estimate assumes (default: cores).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full plan as JSON.")
+@click.option("--shards/--no-shards", "show_shards", default=True, help="List the output shard layout.")
+def plan(source, target, recipe, overrides, max_shard_size, revision, workers, json_path, show_shards):
+    """Dry run: what a conversion would do, from headers only (no tensor data is read)."""
+    from .convert import build_plan
+
+    src = _open(source, revision)
+    try:
+        p = build_plan(src, target, recipe, overrides, max_shard_size)
+    finally:
+        src.close()
+    workers = workers or os.cpu_count() or 1
+    counts = p.scheme_counts()
+    in_by, out_by = {}, {}
+    for t in p.tensors():
+        in_by[t.scheme] = in_by.get(t.scheme, 0) + t.in_bytes
+        out_by[t.scheme] = out_by.get(t.scheme, 0) + t.out_bytes
+    click.echo(f"source   {p.source}" + (f" @ {p.revision}" if p.revision else ""))
+    click.echo(f"target   {p.target}   recipe {p.recipe['name']}   model_quant_type {p.description()['model_quant_type']}")
+    click.echo(f"{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")
+    for s in sorted(counts):
+        click.echo(f"{s:14s} {counts[s]:8d} {_gb(in_by[s]):>12s} {_gb(out_by[s]):>12s}")
+    click.echo(f"{'total':14s} {sum(counts.values()):8d} {_gb(p.in_bytes):>12s} {_gb(p.out_bytes):>12s}"
+               f"   ({p.out_bytes / max(p.in_bytes, 1):.1%} of input)")
+    biggest = max((t.in_bytes + t.out_bytes for t in p.tensors() if t.scheme != "FLOAT"), default=0)
+    click.echo(f"output   {len(p.units)} shards (max {_gb(p.max_shard_size)}), disk needed {_gb(p.out_bytes)}"
+               f" + staging window for hub sources")
+    click.echo(f"memory   ~{_gb(workers * (biggest + 64 * 1024**2) + 300 * 1024**2)} peak with {workers} workers"
+               " (largest quantized tensor in + out per worker, plus fixed buffers)")
+    if show_shards:
+        for u in p.units:
+            needs = ", ".join(u.needs[:3]) + (f" (+{len(u.needs) - 3})" if len(u.needs) > 3 else "")
+            click.echo(f"  {u.file}  {len(u.tensors):6d} tensors  {_gb(u.out_bytes):>10s}  <- {needs}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(p.to_json(), indent=1))
+        click.echo(f"plan written to {json_path}")
+
+
+# -- convert ------------------------------------------------------------------------------------
+@main.command()
+@_plan_options
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--workers", type=int, default=None, help="Worker processes (default: one per core).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Run units in local processes or as Ray tasks (pip install kimi-quant[ray]).")
+@click.option("--ray-address", help="Ray cluster address (default: start or join a local one).")
+@click.option("--overwrite", is_flag=True, help="Replace an output directory holding another conversion.")
+@click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards are staged.")
+@click.option("--max-disk", type=Size(), help="Hub sources: most bytes of source shards staged at once.")
+@click.option("--keep-source", is_flag=True, help="Hub sources: keep staged shards after use.")
+@click.option("--validate", "do_validate", is_flag=True, help="Measure perplexity vs BF16 after converting.")
+@click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
+              help="With --validate: fail if quantized perplexity exceeds BF16 by more than PCT percent.")
+@click.option("--push-to", metavar="ORG/NAME", help="Publish the verified output to this hub repo.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
+def convert(source, target, recipe, overrides, max_shard_size, revision, output, workers, executor, ray_address,
+            overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, quiet):
+    """Convert SOURCE (a local directory or a hub repo id) for a device family.
+
+    Re-running the same command after an interruption resumes: completed output shards are
+    verified and kept, the rest is redone.
+    """
+    from .convert import ConvertOptions, convert as run_convert
+    from .targets import resolve_target
+
+    resolve_target(target)
+    source_options = {}
+    if work_dir or max_disk or keep_source:
+        source_options = {"work_dir": work_dir, "max_disk": max_disk, "keep_source": keep_source}
+    opts = ConvertOptions(target=target, output=Path(output), recipe=recipe, overrides=list(overrides),
+                          max_shard_size=max_shard_size, workers=workers, executor=executor,
+                          executor_options={"address": ray_address} if ray_address else {},
+                          overwrite=overwrite, quiet=quiet, revision=revision, source_options=source_options)
+    res = run_convert(source, opts)
+    p = res.plan
+    if not quiet:
+        counts = ", ".join(f"{s} {n}" for s, n in sorted(p.scheme_counts().items()))
+        click.echo(f"done in {res.seconds:.1f} s: {res.converted_units} shards written"
+                   + (f", {res.reused_units} verified and kept" if res.reused_units else "")
+                   + f"; {_gb(res.in_bytes_done)} in at {res.gbps:.2f} GB/s")
+        click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {len(p.units)} shards; tensors: {counts}")
+        if res.peak_staged_bytes is not None:
+            click.echo(f"peak staging disk {_gb(res.peak_staged_bytes)}")
+        click.echo(f"output: {res.out_dir}")
+    if do_validate:
+        _validate_after(source, res.out_dir, max_ppl_increase, quiet)
+    if push_to:
+        from .publish import publish as run_publish
+
+        run_publish(res.out_dir, push_to)
+
+
+def _validate_after(source, out_dir, max_ppl_increase, quiet):
+    from .validate.run import run_validation
+    from .layout.ascend_v1 import VALIDATION, PROVENANCE
+    from .write import write_json_atomic
+
+    report = run_validation(source, out_dir, json_path=str(Path(out_dir) / VALIDATION), progress=not quiet)
+    increase = (report["ratio"] - 1) * 100
+    passed = max_ppl_increase is None or increase <= max_ppl_increase
+    prov_path = Path(out_dir) / PROVENANCE
+    prov = json.loads(prov_path.read_text())
+    prov["validation"] = {"ppl_bf16": report["ppl_bf16"], "ppl_quant": report["ppl_quant"], "ratio": report["ratio"],
+                          "max_ppl_increase_pct": max_ppl_increase, "passed": passed}
+    write_json_atomic(prov_path, prov)
+    if not passed:
+        raise KimiQuantError(f"validation failed: perplexity rose {increase:.2f}% (bound {max_ppl_increase}%); "
+                             f"the output stays in {out_dir}, marked as failing in its provenance")
+
+
+# -- verify ------------------------------------------------------------------------------------
+@main.command()
+@click.argument("output", type=click.Path(file_okay=False))
+@click.option("--no-rehash", is_flag=True, help="Skip re-hashing shards (sizes and headers are still checked).")
+def verify(output, no_rehash):
+    """Check an output directory: shards against the journal, index, description, shapes."""
+    from .verify import verify_output
+
+    r = verify_output(output, rehash=not no_rehash)
+    click.echo(f"ok: {r['shards']} shards, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
+
+
+# -- synth -------------------------------------------------------------------------------------
+@main.command()
+@click.option("--preset", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
+              help="tiny: the trained 1.7M-parameter K3.1-shaped model; bench: GB-sized, real expert shapes.")
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
+@click.option("--num-experts", type=int, help="Experts per MoE layer (scales the checkpoint size).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--random-weights", is_flag=True, help="tiny: seeded random weights instead of the trained fixture.")
+@click.option("--shard-size", type=Size(), default="512MiB", show_default=True, help="bench: source shard size.")
+def synth(preset, output, num_experts, seed, random_weights, shard_size):
+    """Write a K3.1-shaped BF16 checkpoint with the real tensor names (for tests, demos, benchmarks)."""
+    from .model.synth import synth as run_synth
+
+    out = run_synth(preset, output, seed=seed, num_experts=num_experts, shard_size=shard_size,
+                    random_weights=random_weights, progress=True)
+    click.echo(f"wrote {out}")
+
+
+def _register_optional_commands() -> None:
+    """Commands whose modules live with their feature (validation, publishing)."""
+    for module, name in (("kimi_quant.validate.command", "validate"), ("kimi_quant.publish.command", "publish")):
+        try:
+            mod = __import__(module, fromlist=[name])
+        except ImportError:
+            continue
+        main.add_command(getattr(mod, name), name)
+
+
+_register_optional_commands()
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The conversion driver: source -> plan -> executor (units) -> journal -> metadata files.
+
+The driver alone owns the output directory's journal, index, description and provenance;
+executors only write output shards. Every step is resumable: re-running the same command
+after a crash redoes only what the journal does not vouch for.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import KimiQuantError
+from .executor import make_executor
+from .journal import Journal, check_same_conversion, sha256_file
+from .layout.ascend_v1 import OWN_FILES, provenance, write_metadata_files
+from .model.spec import load_model_spec_from_source
+from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
+from .recipe import load_recipe
+from .source import Source, open_source
+from .targets import resolve_target
+
+
+@dataclass
+class ConvertOptions:
+    target: str
+    output: Path
+    recipe: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
+    workers: int | None = None
+    executor: str = "local"
+    executor_options: dict = field(default_factory=dict)
+    overwrite: bool = False
+    quiet: bool = False
+    revision: str | None = None
+    source_options: dict = field(default_factory=dict)
+
+
+@dataclass
+class ConvertResult:
+    plan: Plan
+    out_dir: Path
+    seconds: float
+    converted_units: int
+    reused_units: int
+    in_bytes_done: int
+    peak_staged_bytes: int | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.in_bytes_done / max(self.seconds, 1e-9) / 1e9
+
+
+def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(), max_shard_size=DEFAULT_MAX_SHARD_SIZE):
+    target = resolve_target(target_name)
+    spec = load_model_spec_from_source(source, recipe_given=recipe_path is not None)
+    recipe = load_recipe(target.name, recipe_path, list(overrides))
+    return make_plan(source, spec, recipe, target, max_shard_size)
+
+
+def _plan_summary(plan: Plan) -> dict:
+    return {"target": plan.target, "revision": plan.revision, "recipe": plan.recipe.get("name"),
+            "recipe_sha256": plan.recipe.get("sha256"), "tool_version": plan.tool_version}
+
+
+def prepare_output(out_dir: Path, plan: Plan, overwrite: bool) -> Journal:
+    """Open (or start) the journal, refusing to mix two conversions in one directory."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    journal = Journal(out_dir)
+    summary = _plan_summary(plan)
+    foreign = journal.start is None and any(out_dir.iterdir())
+    differs = journal.start is not None and journal.start.get("fingerprint") != plan.fingerprint()
+    if (foreign or differs) and not overwrite:
+        if foreign:
+            raise KimiQuantError(f"{out_dir} is not empty and holds no kimi-quant journal; use --overwrite "
+                                 "to replace its contents, or choose another --output")
+        check_same_conversion(journal, plan.fingerprint(), summary, out_dir)
+    if (foreign or differs) and overwrite:
+        _clear_output(out_dir)
+        journal = Journal(out_dir)
+    for stale in out_dir.glob("*.partial"):
+        stale.unlink()
+    if journal.start is None:
+        journal.begin(plan.fingerprint(), summary)
+    return journal
+
+
+def _clear_output(out_dir: Path) -> None:
+    for p in out_dir.iterdir():
+        if p.name.startswith(("quant_model_", "kimi_quant_")) or p.name in OWN_FILES or p.suffix == ".partial":
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+class _InputHasher(threading.Thread):
+    """sha256 of each local source shard, hashed beside the conversion (page cache is warm)."""
+
+    def __init__(self, source: Source, files: list[str], journal: Journal):
+        super().__init__(daemon=True)
+        self.source, self.files, self.journal = source, files, journal
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for f in self.files:
+                if f not in self.journal.inputs:
+                    self.journal.record_input(f, sha256_file(self.source.fetch(f)))
+        except BaseException as e:  # noqa: BLE001 - reported by the driver
+            self.error = e
+
+
+def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
+    t0 = time.perf_counter()
+    target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
+    source = open_source(source_spec, revision=opts.revision, **opts.source_options)
+    try:
+        plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
+        out_dir = Path(opts.output).resolve()
+        journal = prepare_output(out_dir, plan, opts.overwrite)
+        return _run(source, plan, out_dir, journal, opts, t0)
+    finally:
+        source.close()
+
+
+def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float) -> ConvertResult:
+    expected = {u.file for u in plan.units}
+    done = journal.verified_units(out_dir, expected)
+    todo = [u for u in plan.units if u.file not in done]
+    known_sha = {f.name: f.sha256 for f in source.files() if f.sha256}
+    for f, sha in known_sha.items():
+        if f in plan.inputs:
+            journal.record_input(f, sha)
+
+    from tqdm import tqdm
+
+    total = sum(u.in_bytes for u in todo)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert {plan.target}",
+               disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
+    hasher = None
+    if len(known_sha) < len(plan.inputs):
+        hasher = _InputHasher(source, [f for f in plan.source_order() if f not in known_sha], journal)
+    executor = make_executor(opts.executor, opts.workers, bar.update, **opts.executor_options)
+    users = Counter(f for u in todo for f in u.needs)
+    source.prefetch([f for f in plan.source_order() if users[f]])
+    pending = deque(todo)
+    inflight = {}
+    ok = False
+    try:
+        if hasher:
+            hasher.start()
+        while pending or inflight:
+            while pending and len(inflight) < executor.slots:
+                unit = pending.popleft()
+                paths = {f: str(source.fetch(f)) for f in unit.needs}
+                inflight[executor.submit(unit.to_json(), paths, str(out_dir))] = unit
+            finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
+            for fut in finished:
+                unit = inflight.pop(fut)
+                res = fut.result()
+                journal.record_unit(res["file"], res["size"], res["sha256"])
+                for f in unit.needs:
+                    users[f] -= 1
+                    if users[f] == 0:
+                        source.release(f)
+        ok = True
+    finally:
+        executor.shutdown(abort=not ok)
+        bar.close()
+    if hasher:
+        hasher.join()
+        if hasher.error:
+            raise hasher.error
+    inputs = {f: {"size": plan.inputs[f], "sha256": journal.inputs.get(f)} for f in sorted(plan.inputs)}
+    units = {f: journal.units[f] for f in sorted(expected)}
+    write_metadata_files(out_dir, plan, source, provenance(plan, inputs, units))
+    if not journal.complete:
+        journal.mark_complete()
+    return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
+                         sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))

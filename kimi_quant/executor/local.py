@@ -1,0 +1,90 @@
+"""Local executor: one worker process per core (numba kernels run single-threaded in each).
+
+Processes rather than threads because the int4/MX kernels hold the GIL-free core for long
+stretches and torch/numpy intra-op threading on 2 cores was measured to be erratic.
+With ``workers=1`` units run in the driver process itself (no spawn cost, easy debugging).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import threading
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Callable
+
+from .unit import convert_unit
+
+_progress_queue = None
+
+
+def _init_worker(q) -> None:
+    global _progress_queue
+    _progress_queue = q
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _run_unit(unit: dict, paths: dict[str, str], out_dir: str) -> dict:
+    q = _progress_queue
+    return convert_unit(unit, paths, out_dir, progress=(q.put if q is not None else None))
+
+
+class LocalExecutor:
+    def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None):
+        self.workers = max(1, int(workers or os.cpu_count() or 1))
+        self.on_progress = on_progress or (lambda n: None)
+        self.slots = self.workers
+        self._pool = None
+        if self.workers > 1:
+            ctx = mp.get_context("spawn")
+            self._queue = ctx.Queue()
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
+                                             initargs=(self._queue,))
+            self._stop = threading.Event()
+            self._drain = threading.Thread(target=self._drain_progress, daemon=True)
+            self._drain.start()
+
+    def _drain_progress(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.on_progress(self._queue.get(timeout=0.2))
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+
+    def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(_run_unit, unit, paths, out_dir)
+        fut: Future = Future()
+        try:
+            fut.set_result(convert_unit(unit, paths, out_dir, progress=self.on_progress))
+        except BaseException as e:  # noqa: BLE001 - delivered through the future like a pool would
+            fut.set_exception(e)
+        return fut
+
+    def shutdown(self, abort: bool = False) -> None:
+        if self._pool is None:
+            return
+        if abort:
+            for p in list(getattr(self._pool, "_processes", {}).values()):
+                p.terminate()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stop.set()
+        self._drain.join(timeout=2)
+        while True:  # deliver progress still queued
+            try:
+                self.on_progress(self._queue.get_nowait())
+            except (queue.Empty, EOFError, OSError):
+                break
+
+
+def make_executor(kind: str, workers: int | None, on_progress, **options):
+    if kind == "local":
+        return LocalExecutor(workers, on_progress)
+    if kind == "ray":
+        from .ray_executor import RayExecutor  # optional extra: pip install kimi-quant[ray]
+
+        return RayExecutor(workers=workers, on_progress=on_progress, **options)
+    raise ValueError(f"unknown executor {kind!r}")

@@ -1,0 +1,91 @@
+"""Convert one unit (one output shard). Runs in a worker process: local pool or a Ray task.
+
+Only paths and the unit's JSON come in; only (file, size, sha256) goes back. Tensors are read
+one at a time from mmap and their pages dropped after use, so a worker's memory is about one
+tensor's output plus fixed buffers, whatever the checkpoint size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import BadCheckpoint
+from ..plan import UnitPlan
+from ..quant import get_codec
+from ..recipe.recipe import FLOAT
+from ..source.safetensors import SafetensorsReader
+from ..write import ShardWriter
+
+CHUNK = 64 * 1024 * 1024  # FLOAT tensors stream through in chunks of this many bytes
+
+
+def _nonfinite(chunk: np.ndarray, dtype: str) -> bool:
+    if dtype == "BF16":
+        return bool(np.any((chunk & 0x7F80) == 0x7F80))
+    if dtype in ("F16", "F32", "F64"):
+        return not bool(np.isfinite(chunk).all())
+    return False
+
+
+def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
+                 progress: Callable[[int], None] | None = None) -> dict:
+    """Write output shard ``unit.file`` into ``out_dir``; return {file, size, sha256}."""
+    unit = unit if isinstance(unit, UnitPlan) else UnitPlan.from_json(unit)
+    entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
+    readers: dict[str, SafetensorsReader] = {}
+    writer = ShardWriter(Path(out_dir) / unit.file, entries)
+    try:
+        for t in unit.tensors:
+            if t.file not in readers:
+                readers[t.file] = SafetensorsReader(paths[t.file])
+            reader = readers[t.file]
+            where = f"{reader.path}: tensor {t.name!r}"
+            info = reader.info(t.name)
+            if info.dtype != t.dtype or list(info.shape) != list(t.shape):
+                raise BadCheckpoint(f"{where}: is {info.dtype}{list(info.shape)} but the plan expected "
+                                    f"{t.dtype}{list(t.shape)} (source changed since planning?)")
+            if t.scheme == FLOAT:
+                _copy_float(writer, reader, t, where)
+            else:
+                w = reader.array(t.name)
+                try:
+                    if t.dtype == "BF16":
+                        out = get_codec(t.scheme).quantize_bf16(w, t.matmul)
+                    else:
+                        out = get_codec(t.scheme).quantize(w.astype(np.float32), t.matmul)
+                except ValueError as e:  # codecs refuse NaN / Inf
+                    raise BadCheckpoint(f"{where}: {e}") from None
+                for (name, _, _), arr in zip(t.outputs, out.values()):
+                    writer.write(name, arr)
+                del out, w
+            reader.release(t.name)
+            if progress:
+                progress(t.in_bytes)
+        size, sha = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        for r in readers.values():
+            r.close()
+    return {"file": unit.file, "size": size, "sha256": sha}
+
+
+def _copy_float(writer: ShardWriter, reader: SafetensorsReader, t, where: str) -> None:
+    """Stream a FLOAT tensor's bytes through unchanged, checking for NaN/Inf chunk by chunk."""
+    arr = reader.array(t.name).reshape(-1)
+    step = max(1, CHUNK // max(arr.itemsize, 1))
+    start = reader.info(t.name).start
+
+    def chunks():
+        for i in range(0, arr.size, step):
+            chunk = arr[i:i + step]
+            if _nonfinite(chunk, t.dtype):
+                raise BadCheckpoint(f"{where}: contains NaN or Inf")
+            yield chunk
+            reader.release_range(start + i * arr.itemsize, chunk.nbytes)
+
+    writer.write_chunks(t.outputs[0][0], chunks())

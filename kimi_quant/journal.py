@@ -1,0 +1,98 @@
+"""The output directory's journal: which output shards are complete, with size and sha256.
+
+An append-only JSON-lines file, one fsync'd line per event. A torn last line (power loss) is
+ignored. Resume = plan minus journal: completed shards are re-hashed and kept, everything else
+is redone. The first line records the plan fingerprint: another conversion into the same
+directory is refused unless the user asks to overwrite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from .errors import KimiQuantError
+
+JOURNAL = "kimi_quant_journal.jsonl"
+HASH_CHUNK = 16 * 1024 * 1024
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Journal:
+    def __init__(self, out_dir: str | Path):
+        self.path = Path(out_dir) / JOURNAL
+        self.start: dict | None = None
+        self.units: dict[str, dict] = {}  # file -> {"size", "sha256"}
+        self.inputs: dict[str, str] = {}  # source file -> sha256
+        self.complete = False
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        for line in self.path.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash
+            kind = ev.get("kind")
+            if kind == "start":
+                self.start = ev
+            elif kind == "unit":
+                self.units[ev["file"]] = {"size": ev["size"], "sha256": ev["sha256"]}
+            elif kind == "input":
+                self.inputs[ev["file"]] = ev["sha256"]
+            elif kind == "complete":
+                self.complete = True
+
+    def _append(self, ev: dict) -> None:
+        line = json.dumps(ev, sort_keys=True) + "\n"
+        with open(self.path, "a") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def begin(self, fingerprint: str, summary: dict) -> None:
+        self.start = {"kind": "start", "fingerprint": fingerprint, **summary}
+        self._append(self.start)
+
+    def record_unit(self, file: str, size: int, sha256: str) -> None:
+        self.units[file] = {"size": size, "sha256": sha256}
+        self._append({"kind": "unit", "file": file, "size": size, "sha256": sha256})
+
+    def record_input(self, file: str, sha256: str) -> None:
+        if self.inputs.get(file) != sha256:
+            self.inputs[file] = sha256
+            self._append({"kind": "input", "file": file, "sha256": sha256})
+
+    def mark_complete(self) -> None:
+        self.complete = True
+        self._append({"kind": "complete"})
+
+    def verified_units(self, out_dir: Path, expected: set[str]) -> dict[str, dict]:
+        """Journal entries whose file exists with the recorded size and sha256 (the rest is redone)."""
+        good = {}
+        for file, rec in self.units.items():
+            p = out_dir / file
+            if file in expected and p.exists() and p.stat().st_size == rec["size"] and sha256_file(p) == rec["sha256"]:
+                good[file] = rec
+        return good
+
+
+def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out_dir: Path) -> None:
+    if journal.start is None:
+        return
+    if journal.start.get("fingerprint") == fingerprint:
+        return
+    diffs = [f"{k} {journal.start.get(k)!r} -> {v!r}" for k, v in summary.items() if journal.start.get(k) != v]
+    what = "; ".join(diffs) if diffs else "the plan differs (source, recipe or shard size)"
+    raise KimiQuantError(f"{out_dir} holds another conversion ({what}); use --overwrite to replace it, "
+                         "or choose another --output")

@@ -1,0 +1,71 @@
+"""The ascendV1 directory around the weight shards: index, description, config, copied files, provenance.
+
+These are written only after every shard is complete and verified, the index and the description
+last of all, so an interrupted output never looks like a loadable checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .. import __version__
+from ..plan import Plan
+from ..source.base import SINGLE_FILE, WEIGHT_INDEX, Source
+from ..write import write_atomic, write_json_atomic
+
+INDEX = "quant_model_weights.safetensors.index.json"
+DESCRIPTION = "quant_model_description.json"
+PROVENANCE = "kimi_quant_provenance.json"
+VALIDATION = "kimi_quant_validation.json"
+MAX_COPIED_FILE = 64 * 1024 * 1024  # "small files": configs, code, tokenizer, docs
+OWN_FILES = (INDEX, DESCRIPTION, PROVENANCE, VALIDATION)
+
+
+def clean_config(config: dict) -> dict:
+    """config.json without quantization_config (top level and text_config): the loader reads the description."""
+    config = json.loads(json.dumps(config))
+    config.pop("quantization_config", None)
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    return config
+
+
+def files_to_copy(source: Source) -> list[str]:
+    out = []
+    for f in source.files():
+        name = f.name
+        if name.endswith(".safetensors") or name in (WEIGHT_INDEX, SINGLE_FILE, "config.json"):
+            continue
+        if name.startswith("quant_model_") or name.startswith("kimi_quant_") or f.size > MAX_COPIED_FILE:
+            continue
+        out.append(name)
+    return out
+
+
+def write_metadata_files(out_dir: Path, plan: Plan, source: Source, provenance: dict) -> None:
+    """Everything but the weight shards, in an order that keeps a partial output unloadable."""
+    for name in files_to_copy(source):
+        dest = out_dir / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(dest, source.read_bytes(name))
+    write_json_atomic(out_dir / "config.json", clean_config(source.read_json("config.json")))
+    write_json_atomic(out_dir / PROVENANCE, provenance)
+    write_json_atomic(out_dir / INDEX, {"metadata": {"total_size": plan.out_bytes}, "weight_map": plan.weight_map()})
+    write_json_atomic(out_dir / DESCRIPTION, plan.description())
+
+
+def provenance(plan: Plan, inputs: dict[str, dict], units: dict[str, dict]) -> dict:
+    return {
+        "tool": "kimi-quant",
+        "tool_version": __version__,
+        "format": "ascendV1",
+        "source": plan.source,
+        "revision": plan.revision,
+        "target": plan.target,
+        "recipe": plan.recipe,
+        "max_shard_size": plan.max_shard_size,
+        "inputs": inputs,
+        "outputs": units,
+        "plan_fingerprint": plan.fingerprint(),
+    }

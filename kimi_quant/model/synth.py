@@ -1,0 +1,114 @@
+"""Write a K3.1-shaped BF16 checkpoint: exact tensor names of the real model, small dimensions.
+
+``tiny`` uses the trained fixture shipped in ``model/fixtures/tiny`` when present (a model whose
+perplexity means something, with its own tokenizer); otherwise, and for ``bench``, weights are
+seeded random. Tensors are scattered over several shards so that, as in real checkpoints, the
+experts of one layer live in different files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import zlib
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from ..dtypes import STORAGE, f32_to_bf16
+from ..source.safetensors import SafetensorsReader
+from ..write import ShardWriter, write_json_atomic
+from .presets import preset_config
+from .spec import spec_from_config
+
+FIXTURE_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "generation_config.json")
+
+
+def fixture_dir(preset: str) -> Path | None:
+    d = Path(str(resources.files("kimi_quant.model").joinpath("fixtures", preset)))
+    return d if (d / "model.safetensors").exists() else None
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if "norm" in name or name.endswith("k_norm.bias"):
+        x = np.ones(shape, np.float32) if not name.endswith("bias") else np.zeros(shape, np.float32)
+    elif name.endswith("A_log"):
+        x = np.log(rng.uniform(1, 16, size=shape)).astype(np.float32)
+    elif name.endswith(("dt_bias", "e_score_correction_bias")) or "res_proj" in name:
+        x = np.zeros(shape, np.float32)
+    else:
+        fan_in = shape[-1] if len(shape) > 1 else 1
+        x = rng.standard_normal(size=shape, dtype=np.float32) * np.float32(1.0 / math.sqrt(max(fan_in, 1)))
+    return f32_to_bf16(x) if dtype == "BF16" else x.astype(STORAGE[dtype])
+
+
+def _assign_shards(tensors: dict[str, tuple[tuple[int, ...], str]], shard_size: int, scatter: int) -> list[list[str]]:
+    names = list(tensors)
+    if scatter:
+        shards: list[list[str]] = [[] for _ in range(scatter)]
+        for n in names:
+            shards[zlib.crc32(n.encode()) % scatter].append(n)
+        return [s for s in shards if s]
+    out: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        shape, dt = tensors[n]
+        b = math.prod(shape) * STORAGE[dt].itemsize
+        if out[-1] and size + b > shard_size:
+            out.append([])
+            size = 0
+        out[-1].append(n)
+        size += b
+    return out
+
+
+def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | None = None,
+          shard_size: int = 512 * 1024**2, random_weights: bool = False, progress: bool = False) -> Path:
+    """Write preset ``tiny`` or ``bench`` to ``output``; returns the directory."""
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    config = preset_config(preset, num_experts=num_experts)
+    tensors = spec_from_config(config).expected_tensors()
+    fixture = None if (random_weights or num_experts) else fixture_dir(preset)
+    reader = SafetensorsReader(fixture / "model.safetensors") if fixture else None
+    shards = _assign_shards(tensors, shard_size, scatter=4 if preset == "tiny" else 0)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values()),
+                   unit="B", unit_scale=True, desc=f"synth {preset}")
+    try:
+        for i, names in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            writer = ShardWriter(out / file, [(nm, tensors[nm][1], tensors[nm][0]) for nm in names])
+            for nm in names:
+                shape, dt = tensors[nm]
+                arr = reader.array(nm) if reader is not None else _random_tensor(nm, shape, dt, seed)
+                writer.write(nm, arr)
+                weight_map[nm] = file
+                total += arr.nbytes
+                if bar:
+                    bar.update(arr.nbytes)
+            writer.commit()
+    finally:
+        if reader is not None:
+            reader.close()
+        if bar:
+            bar.close()
+    write_json_atomic(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json_atomic(out / "config.json", config)
+    if fixture:
+        for name in FIXTURE_FILES:
+            if (fixture / name).exists():
+                shutil.copy(fixture / name, out / name)
+    (out / "README.md").write_text(
+        f"# Synthetic Kimi K3.1-shaped checkpoint ({preset})\n\nWritten by `kimi-quant synth --preset {preset}`"
+        f" (seed {seed}). Tensor names and structure follow Kimi K3.1; dimensions are small.\n")
+    return out

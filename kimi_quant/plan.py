@@ -1,0 +1,208 @@
+"""The plan: every source tensor -> (scheme, output tensors, output shard). Pure and cheap.
+
+A plan is built from headers only (no tensor data is read), is a plain JSON value, and is what
+the journal, the executors and ``kimi-quant plan`` all work from. Its fingerprint identifies a
+conversion: a resumed run must have the same one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+from . import __version__
+from .dtypes import nbytes
+from .errors import BadCheckpoint, RecipeError
+from .model.spec import ModelSpec
+from .quant import REGISTRY, get_codec
+from .recipe.recipe import FLOAT, Recipe
+from .source.base import Source
+from .targets import Target
+
+FLOAT_DTYPES = ("BF16", "F16", "F32")
+OUTPUT_STEM = "quant_model_weights"
+DEFAULT_MAX_SHARD_SIZE = 4 * 1024**3
+
+
+@dataclass
+class TensorPlan:
+    name: str  # source tensor
+    file: str  # source shard holding it
+    dtype: str
+    shape: list[int]
+    scheme: str
+    matmul: str | None
+    outputs: list[tuple[str, str, list[int]]]  # (output name, dtype, shape) in write order
+
+    @property
+    def in_bytes(self) -> int:
+        return nbytes(self.dtype, self.shape)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(nbytes(d, s) for _, d, s in self.outputs)
+
+
+@dataclass
+class UnitPlan:
+    """One output shard: the unit of work, of resume and of distribution."""
+
+    file: str
+    tensors: list[TensorPlan]
+
+    @property
+    def needs(self) -> list[str]:
+        return sorted({t.file for t in self.tensors})
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(t.in_bytes for t in self.tensors)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(t.out_bytes for t in self.tensors)
+
+    def to_json(self) -> dict:
+        return {"file": self.file, "tensors": [asdict(t) for t in self.tensors]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "UnitPlan":
+        return cls(d["file"], [TensorPlan(**{**t, "outputs": [tuple(o) for o in t["outputs"]]}) for t in d["tensors"]])
+
+
+@dataclass
+class Plan:
+    source: str
+    revision: str | None
+    target: str
+    group_size: int
+    recipe: dict
+    max_shard_size: int
+    inputs: dict[str, int]  # source shard -> size in bytes
+    units: list[UnitPlan]
+    tool_version: str = __version__
+    extra: dict = field(default_factory=dict)
+
+    # -- derived --------------------------------------------------------------------------
+    @property
+    def in_bytes(self) -> int:
+        return sum(u.in_bytes for u in self.units)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(u.out_bytes for u in self.units)
+
+    def tensors(self):
+        for u in self.units:
+            yield from u.tensors
+
+    def source_order(self) -> list[str]:
+        """Source shards in the order the units first need them."""
+        seen: dict[str, None] = {}
+        for u in self.units:
+            for f in u.needs:
+                seen.setdefault(f, None)
+        return list(seen)
+
+    def fingerprint(self) -> str:
+        """What makes two runs the same conversion (not where the source lives)."""
+        ident = {"revision": self.revision, "target": self.target, "inputs": self.inputs,
+                 "max_shard_size": self.max_shard_size, "tool_version": self.tool_version,
+                 "units": [u.to_json() for u in self.units]}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+    def description(self) -> dict:
+        """quant_model_description.json: top-level keys, then one entry per saved tensor."""
+        types: dict[str, str] = {}
+        present = set()
+        for t in self.tensors():
+            present.add(t.scheme)
+            for out_name, _, _ in t.outputs:
+                types[out_name] = t.scheme
+        ranked = [(REGISTRY[s].rank, s) for s in present if s != FLOAT and REGISTRY[s].rank is not None]
+        model_quant_type = max(ranked)[1] if ranked else FLOAT
+        return {"version": "1.0.0", "model_quant_type": model_quant_type, "group_size": self.group_size,
+                "metadata": {}, "optional": {}, **types}
+
+    def weight_map(self) -> dict[str, str]:
+        return {name: u.file for u in self.units for t in u.tensors for name, _, _ in t.outputs}
+
+    def scheme_counts(self) -> Counter:
+        return Counter(t.scheme for t in self.tensors())
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["units"] = [u.to_json() for u in self.units]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        d = dict(d)
+        d["units"] = [UnitPlan.from_json(u) for u in d["units"]]
+        return cls(**d)
+
+
+def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str | None):
+    if scheme == FLOAT:
+        return [(name, dtype, list(shape))]
+    base = name.removesuffix(".weight")
+    return [(f"{base}.{suffix}", dt, list(shp))
+            for suffix, (dt, shp) in get_codec(scheme).out_specs(tuple(shape), matmul).items()]
+
+
+def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
+    """Plan a conversion from headers only; refuses bad recipes and inconsistent inputs up front."""
+    weight_map = source.weight_map()
+    files = sorted(set(weight_map.values()))
+    sizes = {f.name: f.size for f in source.files()}
+    tensors: list[TensorPlan] = []
+    groups: dict[str, set[str]] = defaultdict(set)
+    group_example: dict[tuple[str, str], str] = {}
+    for file in files:
+        header = source.header(file)
+        in_index = [n for n, f in weight_map.items() if f == file]
+        for name in in_index:
+            if name not in header:
+                raise BadCheckpoint(f"{source.id}/{file}: tensor {name!r} is named in the index but absent from this shard")
+        for name in sorted(in_index, key=lambda n: header[n].start):
+            info = header[name]
+            if name.endswith(("weight_packed", "weight_scale", "weight_zero_point")) and info.dtype in ("U8", "I8", "I32"):
+                raise BadCheckpoint(f"{source.id}/{file}: tensor {name!r} is already quantized ({info.dtype}); "
+                                    "kimi-quant needs a BF16 source (dequantize it first)")
+            role = spec.role(name)
+            scheme = recipe.scheme_for(name, role.role)
+            if scheme != FLOAT:
+                why = get_codec(scheme).check(info.shape, role.matmul)
+                if why is None and info.dtype not in FLOAT_DTYPES:
+                    why = f"source dtype {info.dtype} is not a float type"
+                if why is None and not name.endswith(".weight"):
+                    why = "only '.weight' tensors of Linear layers can be quantized"
+                if why:
+                    raise RecipeError(f"tensor {name!r} {info.dtype}{list(info.shape)} cannot be {scheme}: {why}")
+            if role.fuse_group:
+                groups[role.fuse_group].add(scheme)
+                group_example.setdefault((role.fuse_group, scheme), name)
+            tensors.append(TensorPlan(name, file, info.dtype, list(info.shape), scheme, role.matmul,
+                                      _outputs(name, info.dtype, list(info.shape), scheme, role.matmul)))
+    for group, schemes in sorted(groups.items()):
+        if len(schemes) > 1:
+            examples = ", ".join(f"{group_example[(group, s)]} -> {s}" for s in sorted(schemes))
+            raise RecipeError(f"tensors of one fused group ({group}) must share one scheme, got: {examples}")
+
+    # Greedy packing in source order keeps each output shard's inputs few and contiguous.
+    shards: list[list[TensorPlan]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.out_bytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.out_bytes
+    n = len(shards)
+    units = [UnitPlan(f"{OUTPUT_STEM}-{i + 1:05d}-of-{n:05d}.safetensors", ts) for i, ts in enumerate(shards)]
+    return Plan(source=source.id, revision=source.revision, target=target.name, group_size=target.group_size,
+                recipe=recipe.describe(), max_shard_size=int(max_shard_size),
+                inputs={f: int(sizes.get(f, 0)) for f in files}, units=units)

@@ -1,0 +1,116 @@
+"""``kimi-quant verify``: is an output directory complete, intact and self-consistent?
+
+Re-hashes every shard against the journal, reads every header, and checks that index,
+description and tensor shapes agree with what each ascendV1 type requires. Runs before publish.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import KimiQuantError
+from .journal import Journal, sha256_file
+from .layout.ascend_v1 import DESCRIPTION, INDEX
+from .source.safetensors import read_header
+
+TOP_LEVEL = ("version", "model_quant_type", "group_size", "metadata", "optional")
+
+
+def _fail(out_dir: Path, msg: str) -> KimiQuantError:
+    return KimiQuantError(f"{out_dir}: verify failed: {msg}")
+
+
+def _load_json(out_dir: Path, name: str) -> dict:
+    try:
+        return json.loads((out_dir / name).read_text())
+    except FileNotFoundError:
+        raise _fail(out_dir, f"{name} is missing (conversion incomplete?)") from None
+    except json.JSONDecodeError as e:
+        raise _fail(out_dir, f"{name} is not valid JSON ({e})") from None
+
+
+def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Each quantized Linear's tensors have the dtypes and shapes its type requires."""
+    for name, typ in desc.items():
+        if name in TOP_LEVEL or typ == "FLOAT" or not name.endswith(".weight"):
+            continue
+        base = name[: -len(".weight")]
+        dt, shp = shapes[name]
+        scale = shapes.get(base + ".weight_scale")
+        if scale is None:
+            raise _fail(out_dir, f"{base}: {typ} weight without weight_scale")
+        if typ == "W4A8_DYNAMIC":
+            N, K = 2 * shp[0], shp[1]
+            want = {"weight": ("I8", (N // 2, K)), "weight_scale": ("F32", (N, 1)), "weight_offset": ("F32", (N, 1))}
+            sb = shapes.get(base + ".scale_bias")
+            if sb is None or sb[0] != "F32" or sb[1][0] != N or sb[1][1] not in (1, 16):
+                raise _fail(out_dir, f"{base}.scale_bias: missing or not F32 [N,1]/[N,16] (N={N})")
+        elif typ == "W8A8_DYNAMIC":
+            N, K = shp
+            want = {"weight": ("I8", (N, K)), "weight_scale": ("F32", (N, 1)), "weight_offset": ("F32", (N, 1))}
+        elif typ == "W4A8_MXFP":
+            N, K = shp[0], 2 * shp[1]
+            want = {"weight": ("U8", (N, K // 2)), "weight_scale": ("U8", (N, K // 32))}
+        elif typ == "W8A8_MXFP8":
+            N, K = shp
+            want = {"weight": ("F8_E4M3", (N, K)), "weight_scale": ("U8", (N, K // 32))}
+        else:
+            raise _fail(out_dir, f"{name}: unknown type {typ!r} in {DESCRIPTION}")
+        for suffix, (wdt, wshape) in want.items():
+            got = shapes.get(f"{base}.{suffix}")
+            if got is None or got[0] != wdt or tuple(got[1]) != wshape:
+                raise _fail(out_dir, f"{base}.{suffix}: is {got}, {typ} needs {wdt}{list(wshape)}")
+
+
+def verify_output(out_dir: str | Path, rehash: bool = True) -> dict:
+    """Raise KimiQuantError (one line) unless ``out_dir`` is a complete, intact ascendV1 output."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise KimiQuantError(f"{out_dir}: not a directory")
+    journal = Journal(out_dir)
+    if journal.start is None:
+        raise _fail(out_dir, "no kimi-quant journal (not written by kimi-quant?)")
+    if not journal.complete:
+        raise _fail(out_dir, "conversion incomplete: re-run the same convert command to finish it")
+    index = _load_json(out_dir, INDEX)
+    desc = _load_json(out_dir, DESCRIPTION)
+    weight_map = index.get("weight_map") or {}
+    files = sorted(set(weight_map.values()))
+    if set(files) != set(journal.units):
+        raise _fail(out_dir, f"index names {len(files)} shards, journal {len(journal.units)}")
+    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
+    total = 0
+    for f in files:
+        p = out_dir / f
+        rec = journal.units[f]
+        if not p.exists():
+            raise _fail(out_dir, f"{f} is missing")
+        if p.stat().st_size != rec["size"]:
+            raise _fail(out_dir, f"{f} has {p.stat().st_size} bytes, journal says {rec['size']}")
+        if rehash and sha256_file(p) != rec["sha256"]:
+            raise _fail(out_dir, f"{f}: sha256 differs from the journal (file damaged or modified)")
+        tensors, _ = read_header(p)
+        for name, t in tensors.items():
+            if weight_map.get(name) != f:
+                raise _fail(out_dir, f"{f}: tensor {name!r} is not mapped to this file in {INDEX}")
+            shapes[name] = (t.dtype, t.shape)
+            total += t.nbytes
+    missing = set(weight_map) - set(shapes)
+    if missing:
+        raise _fail(out_dir, f"{INDEX} names tensor {sorted(missing)[0]!r} that no shard holds")
+    if index.get("metadata", {}).get("total_size") != total:
+        raise _fail(out_dir, f"{INDEX} total_size {index.get('metadata', {}).get('total_size')} != {total}")
+    for key in TOP_LEVEL:
+        if key not in desc:
+            raise _fail(out_dir, f"{DESCRIPTION} lacks top-level key {key!r}")
+    entries = {k for k in desc if k not in TOP_LEVEL}
+    if entries != set(shapes):
+        extra = sorted(entries - set(shapes)) or sorted(set(shapes) - entries)
+        raise _fail(out_dir, f"{DESCRIPTION} and the shards disagree on tensor {extra[0]!r}")
+    _check_types(out_dir, desc, shapes)
+    config = _load_json(out_dir, "config.json")
+    if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
+        raise _fail(out_dir, "config.json still has quantization_config")
+    return {"shards": len(files), "tensors": len(shapes), "bytes": total,
+            "model_quant_type": desc["model_quant_type"]}
