@@ -1,0 +1,1 @@
+"""Test-only hub servers: a real olah mirror (downloads) and the project's own fake upload hub."""
