@@ -34,7 +34,7 @@ class TensorPlan:
     shape: list[int]
     scheme: str
     matmul: str | None
-    outputs: list[tuple[str, str, list[int]]]  # (output name, dtype, shape) in write order
+    outputs: list[list]  # [output name, dtype, shape] in write order (lists: JSON round-trips)
 
     @property
     def in_bytes(self) -> int:
@@ -69,7 +69,7 @@ class UnitPlan:
 
     @classmethod
     def from_json(cls, d: dict) -> "UnitPlan":
-        return cls(d["file"], [TensorPlan(**{**t, "outputs": [tuple(o) for o in t["outputs"]]}) for t in d["tensors"]])
+        return cls(d["file"], [TensorPlan(**t) for t in d["tensors"]])
 
 
 @dataclass
@@ -146,9 +146,9 @@ class Plan:
 
 def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str | None):
     if scheme == FLOAT:
-        return [(name, dtype, list(shape))]
+        return [[name, dtype, list(shape)]]
     base = name.removesuffix(".weight")
-    return [(f"{base}.{suffix}", dt, list(shp))
+    return [[f"{base}.{suffix}", dt, list(shp)]
             for suffix, (dt, shp) in get_codec(scheme).out_specs(tuple(shape), matmul).items()]
 
 

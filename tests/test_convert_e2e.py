@@ -1,0 +1,164 @@
+"""End to end: synth -> convert (both targets) -> read back with an independent decoder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from independent_decoder import E2M1, bf16, decode_linear, expected_scale_bias, read_checkpoint
+from kimi_quant.convert import ConvertOptions, convert
+from kimi_quant.model.synth import synth
+
+TOP = ("version", "model_quant_type", "group_size", "metadata", "optional")
+SUFFIXES = ("weight", "weight_scale", "weight_offset", "scale_bias")
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-bf16")
+    synth("tiny", d, random_weights=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fake"}  # must be stripped from the output
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "tokenizer_config.json").write_text("{}")
+    return d
+
+
+@pytest.fixture(scope="module")
+def outputs(tiny_src, tmp_path_factory) -> dict[str, Path]:
+    outs = {}
+    for target in ("a3", "950dt"):
+        out = tmp_path_factory.mktemp(f"out-{target}")
+        convert(str(tiny_src), ConvertOptions(target=target, output=out, workers=1, quiet=True,
+                                              max_shard_size=1_000_000))
+        outs[target] = out
+    return outs
+
+
+def _naive_int4_sse(w: np.ndarray) -> np.ndarray:
+    s = np.abs(w).max(1, keepdims=True) / 7
+    s[s == 0] = 1
+    q = np.clip(np.round(w / s), -8, 7)
+    return ((q * s - w) ** 2).sum(1)
+
+
+def _naive_mx_sse(w: np.ndarray, elem: str) -> np.ndarray:
+    N, K = w.shape
+    b = w.reshape(N, K // 32, 32).astype(np.float64)
+    amax = np.abs(b).max(2, keepdims=True)
+    emax = 2 if elem == "e2m1" else 8
+    e = np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - emax
+    x = b / 2.0 ** e
+    if elem == "e2m1":
+        grid = np.unique(np.abs(E2M1)).astype(np.float64)
+        idx = np.abs(np.abs(x)[..., None] - grid).argmin(-1)
+        q = np.sign(x) * grid[idx]
+    else:
+        q = torch.from_numpy(np.clip(x, -448, 448)).to(torch.float8_e4m3fn).to(torch.float64).numpy()
+    return ((q * 2.0 ** e - b) ** 2).reshape(N, K).sum(1)
+
+
+def _source(tiny_src: Path) -> dict[str, tuple[str, np.ndarray]]:
+    return read_checkpoint(tiny_src, "model.safetensors.index.json")
+
+
+@pytest.mark.parametrize("target", ["a3", "950dt"])
+def test_independent_decoder_reads_every_tensor(target, tiny_src, outputs):
+    out = outputs[target]
+    src = _source(tiny_src)
+    got = read_checkpoint(out, "quant_model_weights.safetensors.index.json")
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    assert desc["version"] == "1.0.0" and desc["metadata"] == {} and desc["optional"] == {}
+    assert desc["group_size"] == (0 if target == "a3" else 32)
+    assert desc["model_quant_type"] == ("W8A8_DYNAMIC" if target == "a3" else "W4A8_MXFP")
+    assert set(desc) - set(TOP) == set(got), "description needs exactly one entry per saved tensor"
+
+    quantized = {k[: -len(".weight")] for k, v in desc.items() if k not in TOP and v != "FLOAT" and k.endswith(".weight")}
+    seen_types = set()
+    for name, (dtype, arr) in src.items():
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base not in quantized:
+            assert desc[name] == "FLOAT"
+            assert got[name][0] == dtype and np.array_equal(got[name][1].view(np.uint8), arr.view(np.uint8)), name
+            continue
+        kind = desc[name]
+        seen_types.add(kind)
+        parts = {s: got[f"{base}.{s}"][1] for s in SUFFIXES if f"{base}.{s}" in got}
+        for s in parts:
+            assert desc[f"{base}.{s}"] == kind
+        w = bf16(arr)
+        deq = decode_linear(kind, parts)
+        assert deq.shape == w.shape
+        sse = ((deq.astype(np.float64) - w) ** 2).sum(1)
+        if kind == "W4A8_DYNAMIC":
+            assert np.all(sse <= _naive_int4_sse(w.astype(np.float64)) * (1 + 1e-9) + 1e-30), name
+            down = name.endswith(("w2.weight", "down_proj.weight"))
+            assert parts["scale_bias"].shape == (w.shape[0], 16 if down else 1), name
+            np.testing.assert_allclose(parts["scale_bias"], expected_scale_bias(parts, down), rtol=1e-5, atol=1e-6)
+            assert not parts["weight_offset"].any()
+        elif kind == "W8A8_DYNAMIC":
+            assert np.abs(parts["weight"].astype(np.int16)).max() <= 127
+            rel = np.sqrt(sse.sum() / (w.astype(np.float64) ** 2).sum())
+            assert rel < 0.01, (name, rel)
+            assert not parts["weight_offset"].any()
+        elif kind == "W4A8_MXFP":
+            assert set(parts) == {"weight", "weight_scale"}
+            assert np.all(sse <= _naive_mx_sse(w, "e2m1") * (1 + 1e-9) + 1e-30), name
+        elif kind == "W8A8_MXFP8":
+            assert set(parts) == {"weight", "weight_scale"}
+            assert np.all(sse <= _naive_mx_sse(w, "e4m3") * (1 + 1e-6) + 1e-30), name
+    assert seen_types == ({"W4A8_DYNAMIC", "W8A8_DYNAMIC"} if target == "a3" else {"W4A8_MXFP", "W8A8_MXFP8"})
+
+
+@pytest.mark.parametrize("target", ["a3", "950dt"])
+def test_roles_and_side_files(target, outputs):
+    out = outputs[target]
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    expert = "language_model.model.layers.1.block_sparse_moe.experts.0"
+    quant = "W4A8_DYNAMIC" if target == "a3" else "W4A8_MXFP"
+    for w in ("w1", "w2", "w3"):
+        assert desc[f"{expert}.{w}.weight"] == quant
+    for float_name in ("language_model.model.layers.3.self_attn.kv_b_proj.weight",
+                       "language_model.model.layers.1.self_attn.o_proj.weight",
+                       "language_model.model.layers.3.self_attn.indexer.wk.weight",
+                       "language_model.lm_head.weight", "vision_tower.blocks.0.attn.qkv.weight",
+                       "language_model.model.layers.1.block_sparse_moe.gate.weight"):
+        assert desc[float_name] == "FLOAT", float_name
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and "quantization_config" not in cfg["text_config"]
+    assert (out / "tokenizer_config.json").exists() and (out / "README.md").exists()
+    assert not (out / "model.safetensors.index.json").exists()
+    prov = json.loads((out / "kimi_quant_provenance.json").read_text())
+    assert prov["target"] == target and prov["recipe"]["name"] == "kimi-k3-default"
+    assert all(len(v["sha256"]) == 64 for v in prov["inputs"].values())
+    index = json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
+    shard_bytes = sum(len(v[1].tobytes()) for v in read_checkpoint(out, "quant_model_weights.safetensors.index.json").values())
+    assert index["metadata"]["total_size"] == shard_bytes
+    assert all(f.startswith("quant_model_weights-") for f in set(index["weight_map"].values()))
+
+
+def test_two_runs_are_byte_identical_across_worker_counts(tiny_src, outputs, tmp_path):
+    out = tmp_path / "again"
+    convert(str(tiny_src), ConvertOptions(target="950dt", output=out, workers=2, quiet=True, max_shard_size=1_000_000))
+    ref = outputs["950dt"]
+    names = sorted(p.name for p in ref.iterdir())
+    assert names == sorted(p.name for p in out.iterdir())
+    for n in names:
+        if n == "kimi_quant_journal.jsonl":
+            continue  # records completion order, which depends on scheduling
+        assert (ref / n).read_bytes() == (out / n).read_bytes(), n
+
+
+def test_torch_safetensors_loads_output(outputs):
+    from safetensors.torch import load_file
+
+    out = outputs["950dt"]
+    for f in sorted(out.glob("quant_model_weights-*.safetensors")):
+        tensors = load_file(f)
+        assert tensors
+    fp8 = [t for t in tensors.values() if t.dtype == torch.float8_e4m3fn]
+    assert fp8 or any(load_file(f) for f in out.glob("quant_model_weights-*.safetensors"))

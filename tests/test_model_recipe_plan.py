@@ -1,0 +1,152 @@
+"""Targets, model spec roles, recipes and plans: everything decided before any data is read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kimi_quant.errors import KimiQuantError, RecipeError, UnsupportedTarget
+from kimi_quant.model.presets import preset_config
+from kimi_quant.model.spec import spec_from_config
+from kimi_quant.model.synth import synth
+from kimi_quant.plan import make_plan
+from kimi_quant.recipe import load_recipe
+from kimi_quant.source import LocalSource
+from kimi_quant.targets import resolve_target
+
+P = "language_model.model.layers."
+
+
+@pytest.mark.parametrize("text,name", [("A3", "a3"), ("atlas-a3", "a3"), ("800i-a3", "a3"), ("950DT", "950dt"),
+                                       ("ascend-950dt", "950dt"), ("Atlas 900 A3", "a3")])
+def test_target_aliases(text, name):
+    assert resolve_target(text).name == name
+
+
+@pytest.mark.parametrize("text", ["a2", "A2", "950pr", "ascend-950PR"])
+def test_unsupported_targets_refused(text):
+    with pytest.raises(UnsupportedTarget, match="not yet supported"):
+        resolve_target(text)
+
+
+def test_roles_come_from_structure_not_substrings():
+    spec = spec_from_config(preset_config("tiny"))
+    assert spec.role(P + "1.block_sparse_moe.experts.3.w1.weight").matmul == "gate"
+    assert spec.role(P + "1.block_sparse_moe.experts.3.w3.weight").matmul == "up"
+    r = spec.role(P + "1.block_sparse_moe.experts.3.w2.weight")
+    assert (r.role, r.matmul, r.layer, r.expert, r.fuse_group) == ("routed_expert.down", "down", 1, 3, "L1.experts")
+    assert spec.role(P + "2.block_sparse_moe.shared_experts.down_proj.weight").matmul == "down"
+    assert spec.role(P + "3.self_attn.kv_b_proj.weight").role == "mla.kv_b_proj"
+    assert spec.role(P + "3.self_attn.indexer.k_norm.bias").role == "dsa.indexer_norm"
+    assert spec.role("vision_tower.blocks.0.attn.qkv.weight").role == "vision"
+    assert spec.role(P + "0.self_attn.q_conv1d.weight").role == "kda.conv1d"
+
+
+def test_tiny_preset_has_the_documented_tensor_count():
+    spec = spec_from_config(preset_config("tiny"))
+    assert len(spec.expected_tensors(with_vision=False)) == 406
+    roles = {spec.role(n).role for n in spec.expected_tensors()}
+    assert "other" not in roles, "every tiny tensor must have a known role"
+
+
+def test_indexer_is_optional_and_kimi_linear_is_recognised():
+    cfg = preset_config("tiny")
+    del cfg["text_config"]["index_topk"]
+    names = spec_from_config(cfg).expected_tensors()
+    assert not any(".indexer." in n for n in names)
+    lin = spec_from_config({**preset_config("tiny")["text_config"], "model_type": "kimi_linear"})
+    assert lin.prefix == "" and lin.role("model.layers.1.block_sparse_moe.experts.0.w2.weight").matmul == "down"
+
+
+def test_unknown_family_lists_supported():
+    with pytest.raises(KimiQuantError, match="supported: kimi_k3"):
+        spec_from_config({"model_type": "llama"})
+
+
+def test_recipe_matches_formats_md_table():
+    a3, mx = load_recipe("a3"), load_recipe("950dt")
+    cases = {
+        ("x", "routed_expert.down"): ("W4A8_DYNAMIC", "W4A8_MXFP"),
+        ("x", "shared_expert.gate"): ("W4A8_DYNAMIC", "W4A8_MXFP"),
+        ("x", "kda.qkv_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
+        ("x", "mla.q_b_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
+        ("x", "latent_moe.up_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
+        ("x", "dense_mlp.down"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
+        ("x", "mla.kv_b_proj"): ("FLOAT", "FLOAT"),
+        ("x", "attn.o_proj"): ("FLOAT", "FLOAT"),
+        ("x", "router.gate"): ("FLOAT", "FLOAT"),
+        ("x", "lm_head"): ("FLOAT", "FLOAT"),
+    }
+    for (name, role), (want_a3, want_mx) in cases.items():
+        assert a3.scheme_for(name, role) == want_a3, role
+        assert mx.scheme_for(name, role) == want_mx, role
+
+
+def test_overrides_and_bad_recipes(tmp_path):
+    r = load_recipe("a3", overrides=["*.layers.2.*=FLOAT"])
+    assert r.scheme_for(P + "2.block_sparse_moe.experts.0.w1.weight", "routed_expert.gate") == "FLOAT"
+    assert r.scheme_for(P + "1.block_sparse_moe.experts.0.w1.weight", "routed_expert.gate") == "W4A8_DYNAMIC"
+    with pytest.raises(RecipeError, match="PATTERN=SCHEME"):
+        load_recipe("a3", overrides=["nonsense"])
+    with pytest.raises(RecipeError, match="unknown scheme"):
+        load_recipe("a3", overrides=["*=W3A8"])
+    bad = tmp_path / "r.toml"
+    bad.write_text("[targets.a3]\ndefault = 'FLOAT'\n")
+    with pytest.raises(RecipeError, match=r"no \[targets.950dt\]"):
+        load_recipe("950dt", bad)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    synth("tiny", d, random_weights=True)
+    return LocalSource(d)
+
+
+def _plan(src, target, overrides=(), max_shard=4 << 30):
+    spec = spec_from_config(src.read_json("config.json"))
+    t = resolve_target(target)
+    return make_plan(src, spec, load_recipe(t.name, overrides=list(overrides)), t, max_shard)
+
+
+def test_plan_sizes_and_shards(tiny):
+    p = _plan(tiny, "950dt", max_shard=500_000)
+    assert len(p.units) > 1 and all(u.out_bytes <= 500_000 or len(u.tensors) == 1 for u in p.units)
+    assert [u.file for u in p.units][0] == f"quant_model_weights-00001-of-{len(p.units):05d}.safetensors"
+    assert sum(len(u.tensors) for u in p.units) == 410
+    assert p.in_bytes == sum(t.in_bytes for t in p.tensors()) > 3_000_000
+    assert json.loads(json.dumps(p.to_json())) == p.to_json()
+    from kimi_quant.plan import Plan
+
+    assert Plan.from_json(p.to_json()).fingerprint() == p.fingerprint()
+    assert _plan(tiny, "a3").fingerprint() != _plan(tiny, "950dt").fingerprint()
+
+
+@pytest.mark.parametrize("override,match", [
+    ("*.layers.1.block_sparse_moe.experts.3.*=FLOAT", "fused group"),
+    ("*.layers.1.input_layernorm=W4A8_MXFP", "2-D"),
+    ("*.layers.0.self_attn.A_log=W8A8_DYNAMIC", "2-D"),
+    ("*.layers.3.self_attn.kv_b_proj=W4A8_DYNAMIC", "gate, up and down"),
+    ("*.layers.1.block_sparse_moe.gate=W4A8_MXFP", None),
+])
+def test_invalid_combinations_refused_before_work(tiny, override, match):
+    if match is None:  # router gate [16,128]: K=128 divisible by 32, allowed
+        _plan(tiny, "950dt", [override])
+        return
+    with pytest.raises(RecipeError, match=match):
+        _plan(tiny, "950dt" if "MXFP" in override else "a3", [override])
+
+
+def test_mx_needs_k_divisible_by_32(tmp_path):
+    cfg = preset_config("tiny")
+    from kimi_quant.model.spec import spec_from_config as sfc
+
+    spec = sfc(cfg)
+    assert spec.role(P + "1.self_attn.f_b_proj.weight").role == "kda.gate_proj"
+    # f_b_proj is [P, d] = [128, 32]: fine; b_proj [h, H] = [4, 128]: N odd-sized for int4 pairs is fine (4)
+    d = tmp_path / "src"
+    synth("tiny", d, random_weights=True)
+    src = LocalSource(d)
+    with pytest.raises(RecipeError, match="divisible by 32"):
+        _plan(src, "950dt", ["vision_tower.patch_embed.proj=W8A8_MXFP8"])  # K = 3*14*14 = 588
