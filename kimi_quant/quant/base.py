@@ -27,6 +27,8 @@ class Codec:
     name: ClassVar[str]
     #: rank in model_quant_type ordering (highest present wins); None never counts
     rank: ClassVar[int | None] = None
+    #: the suffixes ``dequantize`` reads
+    dequant_inputs: ClassVar[tuple[str, ...]] = ("weight", "weight_scale")
 
     def check(self, shape: tuple[int, ...], matmul: str | None) -> str | None:
         """Why this scheme cannot apply to a tensor of ``shape`` (None when it can)."""
@@ -40,8 +42,34 @@ class Codec:
     def quantize(self, w: np.ndarray, matmul: str | None = None) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
-    def quantize_bf16(self, w_u16: np.ndarray, matmul: str | None = None) -> dict[str, np.ndarray]:
-        return self.quantize(bf16_to_f32(w_u16), matmul)
+    def quantize_bf16(
+        self, w_u16: np.ndarray, matmul: str | None = None, out: dict[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Fast path from bf16 bits.  ``out`` (optional): preallocated arrays for some or all
+        suffixes (C-contiguous, dtype/shape as ``out_specs``); they are filled and returned."""
+        res = self.quantize(bf16_to_f32(w_u16), matmul)
+        if out:
+            for key, arr in out.items():
+                arr[...] = res[key]
+                res[key] = arr
+        return res
+
+    def alloc(self, shape: tuple[int, ...], matmul: str | None, out: dict[str, np.ndarray] | None = None):
+        """Output arrays per ``out_specs``: those given in ``out`` (checked) and fresh ones for the rest."""
+        from ..dtypes import STORAGE
+
+        res = {}
+        for key, (dtype, shp) in self.out_specs(tuple(shape), matmul).items():
+            arr = (out or {}).get(key)
+            if arr is None:
+                arr = np.empty(shp, dtype=STORAGE[dtype])
+            elif arr.dtype != STORAGE[dtype] or tuple(arr.shape) != tuple(shp) or not arr.flags.c_contiguous:
+                raise ValueError(
+                    f"{self.name}: out[{key!r}] must be C-contiguous {STORAGE[dtype]} {list(shp)}, "
+                    f"got {arr.dtype} {list(arr.shape)}"
+                )
+            res[key] = arr
+        return res
 
     def dequantize(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         raise NotImplementedError
@@ -53,6 +81,19 @@ REGISTRY: dict[str, Codec] = {}
 def register(cls: type[Codec]) -> type[Codec]:
     REGISTRY[cls.name] = cls()
     return cls
+
+
+def dequantize_prefixed(scheme: str, tensors: dict[str, np.ndarray], prefix: str) -> np.ndarray:
+    """Dequantize Linear ``prefix`` (e.g. ``"model.layers.3.mlp.down_proj"``) from a name -> array dict
+    as read back from the output files, given its type string from quant_model_description.json."""
+    codec = get_codec(scheme)
+    parts = {}
+    for key in codec.dequant_inputs:
+        name = f"{prefix}.{key}"
+        if name not in tensors:
+            raise KeyError(f"{name} missing (needed to dequantize {scheme})")
+        parts[key] = tensors[name]
+    return codec.dequantize(parts)
 
 
 def get_codec(name: str) -> Codec:

@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels as kn
+from . import numerics as nm
 from .base import Codec, Spec, register
+
+
+def _u16(w_u16: np.ndarray) -> np.ndarray:
+    w = np.ascontiguousarray(w_u16)
+    if w.dtype != np.uint16 or w.ndim != 2:
+        raise TypeError(f"quantize_bf16 needs a 2-D uint16 array of bf16 bits, got {w.dtype} {list(w.shape)}")
+    return w
+
+
+def _raise_nonfinite(w_u16: np.ndarray, row: int) -> None:
+    col = int(np.argmax((w_u16[row] & 0x7F80) == 0x7F80))
+    raise nm.NonFiniteWeight(row, col)
 
 
 @register
@@ -14,6 +28,8 @@ class W4A8Dynamic(Codec):
     On disk: ``weight`` int8 [N/2, K] (nibbles packed along N: byte[j,k] = q[2j,k] & 0xF | q[2j+1,k] << 4),
     ``weight_scale`` / ``weight_offset`` float32 [N, 1], ``scale_bias`` float32 [N, 1] (gate/up) or
     [N, 16] (down: 16 partial sums over contiguous K/16 chunks) = 8 * sum_k q[n,k] * s[n].
+    Scale choice: see ``numerics.int4_search_scale`` (grid + least-squares refit, never worse than
+    absmax round-to-nearest).
     """
 
     name = "W4A8_DYNAMIC"
@@ -41,10 +57,37 @@ class W4A8Dynamic(Codec):
             "scale_bias": ("F32", (N, 16 if matmul == "down" else 1)),
         }
 
+    def quantize(self, w, matmul=None):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        q, s = nm.int4_quantize(w)
+        return {
+            "weight": nm.pack_int4_along_n(q),
+            "weight_scale": s[:, None].copy(),
+            "weight_offset": np.zeros((w.shape[0], 1), np.float32),
+            "scale_bias": nm.int4_scale_bias(q, s, matmul),
+        }
+
+    def quantize_bf16(self, w_u16, matmul=None, out=None):
+        w = _u16(w_u16)
+        res = self.alloc(w.shape, matmul, out)
+        bad = kn.int4_kernel(w, res["weight"], res["weight_scale"], res["scale_bias"])
+        if bad >= 0:
+            _raise_nonfinite(w, bad)
+        res["weight_offset"].fill(0)
+        return res
+
+    def dequantize(self, tensors):
+        q = nm.unpack_int4_along_n(np.asarray(tensors["weight"]))
+        return q.astype(np.float32) * np.asarray(tensors["weight_scale"], np.float32).reshape(-1, 1)
+
 
 @register
 class W8A8Dynamic(Codec):
-    """int8 per-output-channel symmetric weights (codes in [-127, 127]), int8 per-token dynamic activations."""
+    """int8 per-output-channel symmetric weights, int8 per-token dynamic activations.
+
+    s = float32(amax / 127) (1.0 for an all-zero row), q = clip(rint(w / s), -127, 127) with
+    round-half-to-even; ``weight_offset`` is zeros.
+    """
 
     name = "W8A8_DYNAMIC"
     rank = 1
@@ -52,3 +95,21 @@ class W8A8Dynamic(Codec):
     def out_specs(self, shape, matmul) -> Spec:
         N, K = shape
         return {"weight": ("I8", (N, K)), "weight_scale": ("F32", (N, 1)), "weight_offset": ("F32", (N, 1))}
+
+    def quantize(self, w, matmul=None):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        q, s = nm.int8_quantize(w)
+        return {"weight": q, "weight_scale": s[:, None].copy(), "weight_offset": np.zeros((w.shape[0], 1), np.float32)}
+
+    def quantize_bf16(self, w_u16, matmul=None, out=None):
+        w = _u16(w_u16)
+        res = self.alloc(w.shape, matmul, out)
+        bad = kn.int8_kernel(w, res["weight"], res["weight_scale"])
+        if bad >= 0:
+            _raise_nonfinite(w, bad)
+        res["weight_offset"].fill(0)
+        return res
+
+    def dequantize(self, tensors):
+        q = np.asarray(tensors["weight"]).view(np.int8)
+        return q.astype(np.float32) * np.asarray(tensors["weight_scale"], np.float32).reshape(-1, 1)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from .base import Codec, Spec, register
+import numpy as np
 
-BLOCK = 32
+from . import kernels as kn
+from . import numerics as nm
+from .base import Codec, Spec, register
+from .int_schemes import _raise_nonfinite, _u16
+from .numerics import BLOCK
 
 
 class _MX(Codec):
@@ -19,7 +23,12 @@ class _MX(Codec):
 
 @register
 class W4A8MXFP(_MX):
-    """MXFP4 weights: ``weight`` uint8 [N, K/2] (E2M1, element 2i in the low nibble), ``weight_scale`` uint8 [N, K/32] (E8M0)."""
+    """MXFP4 weights: ``weight`` uint8 [N, K/2] (E2M1, element 2i in the low nibble), ``weight_scale`` uint8 [N, K/32] (E8M0).
+
+    Per block of 32 the exponent is the OCP rule floor(log2(amax)) - 2 or one more, whichever has the
+    smaller block squared error (ties: the OCP rule); all-zero blocks get scale byte 127.  Zero codes
+    are always +0 (code 0, never 8).  See ``numerics.mx_quantize_blocks``.
+    """
 
     name = "W4A8_MXFP"
     rank = 4
@@ -28,10 +37,31 @@ class W4A8MXFP(_MX):
         N, K = shape
         return {"weight": ("U8", (N, K // 2)), "weight_scale": ("U8", (N, K // BLOCK))}
 
+    def quantize(self, w, matmul=None):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        code, scale = nm.mxfp4_quantize(w)
+        return {"weight": nm.pack_nibbles_along_k(code), "weight_scale": scale}
+
+    def quantize_bf16(self, w_u16, matmul=None, out=None):
+        w = _u16(w_u16)
+        res = self.alloc(w.shape, matmul, out)
+        bad = kn.mxfp4_kernel(w, res["weight"], res["weight_scale"])
+        if bad >= 0:
+            _raise_nonfinite(w, bad)
+        return res
+
+    def dequantize(self, tensors):
+        code = nm.unpack_nibbles_along_k(np.asarray(tensors["weight"]).view(np.uint8))
+        return nm.mx_dequantize(nm.e2m1_to_f32(code), np.asarray(tensors["weight_scale"]).view(np.uint8))
+
 
 @register
 class W8A8MXFP8(_MX):
-    """MXFP8 weights: ``weight`` float8_e4m3fn [N, K], ``weight_scale`` uint8 [N, K/32] (E8M0)."""
+    """MXFP8 weights: ``weight`` float8_e4m3fn [N, K] (stored as uint8 bit patterns), ``weight_scale`` uint8 [N, K/32] (E8M0).
+
+    Exponent: OCP rule floor(log2(amax)) - 8, or one more when that has the smaller block squared
+    error (it avoids saturating at 448); elements round half to even and saturate at +-448.
+    """
 
     name = "W8A8_MXFP8"
     rank = 3
@@ -39,3 +69,20 @@ class W8A8MXFP8(_MX):
     def out_specs(self, shape, matmul) -> Spec:
         N, K = shape
         return {"weight": ("F8_E4M3", (N, K)), "weight_scale": ("U8", (N, K // BLOCK))}
+
+    def quantize(self, w, matmul=None):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        code, scale = nm.mxfp8_quantize(w)
+        return {"weight": code, "weight_scale": scale}
+
+    def quantize_bf16(self, w_u16, matmul=None, out=None):
+        w = _u16(w_u16)
+        res = self.alloc(w.shape, matmul, out)
+        bad = kn.mxfp8_kernel(w, res["weight"], res["weight_scale"])
+        if bad >= 0:
+            _raise_nonfinite(w, bad)
+        return res
+
+    def dequantize(self, tensors):
+        code = np.asarray(tensors["weight"]).view(np.uint8)  # F8_E4M3 bit patterns
+        return nm.mx_dequantize(nm.e4m3_to_f32(code), np.asarray(tensors["weight_scale"]).view(np.uint8))

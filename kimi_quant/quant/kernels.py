@@ -1,0 +1,340 @@
+"""numba fast paths: bfloat16 bits in, ascendV1 tensors out, bit-identical to ``numerics``.
+
+Each kernel reads the uint16 bf16 matrix once, row by row (or block by block), keeping only
+row-sized scratch buffers, and writes straight into caller-provided output arrays.  Kernels are
+single-threaded (the converter runs one process per core) and compiled with ``cache=True``.
+
+Every kernel returns -1 on success, or the index of the first row holding a NaN/Inf (bf16
+exponent bits all ones); the caller turns that into ``numerics.NonFiniteWeight``.
+
+Bit identity with the reference rests on doing the same IEEE operations in the same order:
+float32 division ``w / s``, ``rint`` (half to even), float64 sums that are either exact
+(int4: integer-valued terms) or follow the same fixed halving tree (MX block errors).
+Nothing here uses fastmath, except ``_int4_pass`` where reassociation is allowed: its sums are
+exact integers in float64, so any order gives the same result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .numerics import BLOCK, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_FIX_BITS, INT4_GRID, INT4_MAX_ITERS
+
+_E2M1 = E2M1_VALUES.copy()
+_GRID = INT4_GRID.copy()
+_F32_ZERO_ROW_SCALE = np.float32(1.0)
+
+
+@njit(cache=True)
+def _row_to_f32(w, n, xu):
+    """bf16 row n -> float32 bits in xu (uint32 view of a float32 buffer); returns max |bits|."""
+    K = w.shape[1]
+    m = np.uint16(0)
+    for k in range(K):
+        b = w[n, k]
+        xu[k] = np.uint32(b) << 16
+        a = b & np.uint16(0x7FFF)
+        if a > m:
+            m = a
+    return m
+
+
+@njit(cache=True)
+def _bits_to_f32(bits16, tmp_u):
+    tmp_u[0] = np.uint32(bits16) << 16
+    return tmp_u.view(np.float32)[0]
+
+
+# ------------------------------------------------------------------------------------------ int8
+
+
+@njit(cache=True)
+def int8_kernel(w, q_out, s_out):
+    N, K = w.shape
+    xu = np.empty(K, dtype=np.uint32)
+    xf = xu.view(np.float32)
+    tmp = np.empty(1, dtype=np.uint32)
+    lo = np.float32(-127.0)
+    hi = np.float32(127.0)
+    for n in range(N):
+        m = _row_to_f32(w, n, xu)
+        if m >= 0x7F80:
+            return n
+        if m == 0:
+            s = np.float32(1.0)
+        else:
+            s = _bits_to_f32(m, tmp) / np.float32(127.0)
+        s_out[n, 0] = s
+        for k in range(K):
+            t = np.rint(xf[k] / s)
+            t = min(max(t, lo), hi)
+            q_out[n, k] = np.int8(t)
+    return -1
+
+
+# ------------------------------------------------------------------------------------------ int4
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def _int4_pass(xf, wf, s):
+    """(sum(wf q), sum(q q)) for q = clip(rint(x / s), -8, 7): exact integer sums in float64."""
+    sxq = 0.0
+    sqq = 0.0
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    for k in range(xf.shape[0]):
+        t = np.rint(xf[k] / s)
+        t = min(max(t, lo), hi)
+        sxq += wf[k] * np.float64(t)
+        sqq += np.float64(t * t)
+    return sxq, sqq
+
+
+@njit(cache=True)
+def _int4_row_scale(xf, wf, amax_bits, tmp):
+    """numerics.int4_search_scale for one row whose float32 values are in xf."""
+    K = xf.shape[0]
+    if amax_bits == 0:
+        return np.float32(1.0)
+    amax = _bits_to_f32(amax_bits, tmp)
+    _, e = math.frexp(np.float64(amax))
+    k = INT4_FIX_BITS - e
+    p = math.ldexp(1.0, k)
+    pinv = math.ldexp(1.0, -k)
+    for i in range(K):
+        wf[i] = np.trunc(np.float64(xf[i]) * p)
+    s0 = amax / np.float32(7.0)
+    s = s0
+    best = 0.0
+    sxq = 0.0
+    sqq = 0.0
+    for g in range(_GRID.shape[0]):
+        st = s0 * _GRID[g]
+        a, b = _int4_pass(xf, wf, st)
+        a = a * pinv
+        sd = np.float64(st)
+        e_t = sd * sd * b - 2.0 * sd * a
+        if g == 0 or e_t < best:
+            s, best, sxq, sqq = st, e_t, a, b
+    for _ in range(INT4_MAX_ITERS):
+        if not sqq > 0.0:
+            break
+        s_new = np.float32(sxq / sqq)
+        if not (s_new > 0) or s_new == s:
+            break
+        a, b = _int4_pass(xf, wf, s_new)
+        a = a * pinv
+        sd = np.float64(s_new)
+        e_new = sd * sd * b - 2.0 * sd * a
+        if not e_new < best:
+            break
+        s, best, sxq, sqq = s_new, e_new, a, b
+    return s
+
+
+@njit(cache=True)
+def _int4_row_final(xf, s, qrow, chunks, qsum):
+    K = xf.shape[0]
+    L = K // chunks
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    for c in range(chunks):
+        acc = 0
+        for k in range(c * L, (c + 1) * L):
+            t = np.rint(xf[k] / s)
+            t = min(max(t, lo), hi)
+            qi = np.int8(t)
+            qrow[k] = qi
+            acc += qi
+        qsum[c] = acc
+
+
+@njit(cache=True)
+def int4_kernel(w, packed_out, s_out, bias_out):
+    """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks]."""
+    N, K = w.shape
+    chunks = bias_out.shape[1]
+    xu = np.empty(K, dtype=np.uint32)
+    xf = xu.view(np.float32)
+    wf = np.empty(K, dtype=np.float64)
+    q0 = np.empty(K, dtype=np.int8)
+    q1 = np.empty(K, dtype=np.int8)
+    qsum = np.empty(chunks, dtype=np.int64)
+    tmp = np.empty(1, dtype=np.uint32)
+    for j in range(N // 2):
+        for r in range(2):
+            n = 2 * j + r
+            m = _row_to_f32(w, n, xu)
+            if m >= 0x7F80:
+                return n
+            s = _int4_row_scale(xf, wf, m, tmp)
+            s_out[n, 0] = s
+            _int4_row_final(xf, s, q0 if r == 0 else q1, chunks, qsum)
+            sd = np.float64(s)
+            for c in range(chunks):
+                bias_out[n, c] = np.float32(8.0 * np.float64(qsum[c]) * sd)
+        for k in range(K):
+            packed_out[j, k] = np.int8((q0[k] & 0xF) | (q1[k] << 4))
+    return -1
+
+
+# ------------------------------------------------------------------------------------------ MX
+
+
+@njit(cache=True)
+def _pow2_f32(e, tmp):
+    """2^e as float32 for integer e in [-126, 127], from exponent bits."""
+    tmp[0] = np.uint32(e + 127) << 23
+    return tmp.view(np.float32)[0]
+
+
+@njit(cache=True)
+def _tree64(d):
+    """numerics.block_sse_tree on a 32-vector of float64 squares (in place)."""
+    h = d.shape[0] // 2
+    while h >= 1:
+        for j in range(h):
+            d[j] = d[j] + d[j + h]
+        h //= 2
+    return d[0]
+
+
+@njit(cache=True)
+def _e2m1_block(ya, codes, dd):
+    """Round magnitudes ya (32) on the E2M1 grid; codes and squared errors (float64) out."""
+    for j in range(ya.shape[0]):
+        y = ya[j]
+        c = (
+            np.uint8(y > np.float32(0.25))
+            + np.uint8(y >= np.float32(0.75))
+            + np.uint8(y > np.float32(1.25))
+            + np.uint8(y >= np.float32(1.75))
+            + np.uint8(y > np.float32(2.5))
+            + np.uint8(y >= np.float32(3.5))
+            + np.uint8(y > np.float32(5.0))
+        )
+        codes[j] = c
+        d = np.float64(y - _E2M1[c])
+        dd[j] = d * d
+
+
+@njit(cache=True)
+def _e4m3_block(ya, yu, codes, dd, ru):
+    """Round magnitudes ya (32, uint32 view yu) to E4M3 (RNE, saturate 448): codes, squared errors."""
+    rf = ru.view(np.float32)
+    for j in range(ya.shape[0]):
+        u = yu[j]
+        ru[j] = (u + np.uint32(0x7FFFF) + ((u >> 20) & np.uint32(1))) & np.uint32(0xFFF00000)
+    for j in range(ya.shape[0]):
+        y = ya[j]
+        r = min(rf[j], np.float32(448.0))
+        if y < np.float32(2.0**-6):
+            ms = np.rint(y * np.float32(512.0))
+            r = ms * np.float32(2.0**-9)
+            codes[j] = np.uint8(ms)
+        else:
+            rb = ru[j] if rf[j] <= np.float32(448.0) else np.uint32(0x43E00000)
+            codes[j] = np.uint8((((rb >> 23) - np.uint32(120)) << 3) | ((rb >> 20) & np.uint32(7)))
+        d = np.float64(y - r)
+        dd[j] = d * d
+
+
+@njit(cache=True)
+def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
+    """Shared MX driver: per block choose e0 / e0+1 by SSE, write element codes (with sign) and E8M0.
+
+    codes_out: uint8 [N, K/2] (fp8=False, E2M1 packed along K, low nibble first) or [N, K] (E4M3).
+    """
+    N, K = w.shape
+    nb = K // BLOCK
+    au = np.empty(BLOCK, dtype=np.uint32)
+    af = au.view(np.float32)
+    y0 = np.empty(BLOCK, dtype=np.float32)
+    y1 = np.empty(BLOCK, dtype=np.float32)
+    c0 = np.empty(BLOCK, dtype=np.uint8)
+    c1 = np.empty(BLOCK, dtype=np.uint8)
+    d0 = np.empty(BLOCK, dtype=np.float64)
+    d1 = np.empty(BLOCK, dtype=np.float64)
+    ru = np.empty(BLOCK, dtype=np.uint32)
+    neg = np.empty(BLOCK, dtype=np.uint8)
+    tmp = np.empty(1, dtype=np.uint32)
+    sign_bit = np.uint8(0x80) if fp8 else np.uint8(0x08)
+    for n in range(N):
+        for blk in range(nb):
+            k0 = blk * BLOCK
+            m = np.uint16(0)
+            for j in range(BLOCK):
+                b = w[n, k0 + j]
+                a = b & np.uint16(0x7FFF)
+                au[j] = np.uint32(a) << 16
+                neg[j] = np.uint8(b >> 15)
+                if a > m:
+                    m = a
+            if m >= 0x7F80:
+                return n
+            if m == 0:
+                scale_out[n, blk] = E8M0_ZERO_BLOCK
+                for j in range(BLOCK):
+                    c0[j] = 0
+            else:
+                ex = np.int32(m >> 7)
+                E = ex - 127 if ex > 0 else -127
+                e0 = max(E - emax_elem, -127)
+                e1 = max(E - emax_elem + 1, -127)
+                p0 = _pow2_f32(-e0, tmp)
+                for j in range(BLOCK):
+                    y0[j] = af[j] * p0
+                if fp8:
+                    _e4m3_block(y0, y0.view(np.uint32), c0, d0, ru)
+                else:
+                    _e2m1_block(y0, c0, d0)
+                e = e0
+                if e1 != e0:
+                    p1 = _pow2_f32(-e1, tmp)
+                    for j in range(BLOCK):
+                        y1[j] = af[j] * p1
+                    if fp8:
+                        _e4m3_block(y1, y1.view(np.uint32), c1, d1, ru)
+                    else:
+                        _e2m1_block(y1, c1, d1)
+                    sse0 = _tree64(d0)
+                    sse1 = _tree64(d1)
+                    if 4.0 * sse1 < sse0:
+                        e = e1
+                        for j in range(BLOCK):
+                            c0[j] = c1[j]
+                scale_out[n, blk] = np.uint8(e + 127)
+                for j in range(BLOCK):
+                    if c0[j] != 0 and neg[j] != 0:
+                        c0[j] |= sign_bit
+            if fp8:
+                for j in range(BLOCK):
+                    codes_out[n, k0 + j] = c0[j]
+            else:
+                h0 = k0 // 2
+                for i in range(BLOCK // 2):
+                    codes_out[n, h0 + i] = c0[2 * i] | (c0[2 * i + 1] << 4)
+    return -1
+
+
+@njit(cache=True)
+def mxfp4_kernel(w, packed_out, scale_out):
+    return _mx_kernel(w, packed_out, scale_out, 2, False)
+
+
+@njit(cache=True)
+def mxfp8_kernel(w, codes_out, scale_out):
+    return _mx_kernel(w, codes_out, scale_out, 8, True)
+
+
+def warmup() -> None:
+    """Compile (or load from the numba cache) every kernel on a tiny input."""
+    w = np.zeros((2, 32), dtype=np.uint16)
+    int8_kernel(w, np.empty((2, 32), np.int8), np.empty((2, 1), np.float32))
+    int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, 1), np.float32))
+    int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, 16), np.float32))
+    mxfp4_kernel(w, np.empty((2, 16), np.uint8), np.empty((2, 1), np.uint8))
+    mxfp8_kernel(w, np.empty((2, 32), np.uint8), np.empty((2, 1), np.uint8))
