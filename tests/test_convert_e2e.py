@@ -95,7 +95,7 @@ def test_independent_decoder_reads_every_tensor(target, tiny_src, outputs):
         assert deq.shape == w.shape
         sse = ((deq.astype(np.float64) - w) ** 2).sum(1)
         if kind == "W4A8_DYNAMIC":
-            assert np.all(sse <= _naive_int4_sse(w.astype(np.float64)) * (1 + 1e-9) + 1e-30), name
+            assert np.all(sse <= _naive_int4_sse(w.astype(np.float64)) * (1 + 1e-6) + 1e-30), name  # f32 scale storage
             down = name.endswith(("w2.weight", "down_proj.weight"))
             assert parts["scale_bias"].shape == (w.shape[0], 16 if down else 1), name
             np.testing.assert_allclose(parts["scale_bias"], expected_scale_bias(parts, down), rtol=1e-5, atol=1e-6)
