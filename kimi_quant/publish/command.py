@@ -1,0 +1,29 @@
+"""``kimi-quant publish DIR --repo-id ORG/NAME [--private] [--branch B]`` (registered by kimi_quant.cli)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("publish")
+@click.argument("output", type=click.Path(file_okay=False, path_type=str))
+@click.option("--repo-id", required=True, metavar="ORG/NAME", help="Hub repo to create (if needed) and upload to.")
+@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option("--branch", default=None, metavar="B", help="Upload to this branch (created from main if missing).")
+@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token with write access.")
+@click.option("--message", default=None, help="Commit message.")
+@click.option("--no-card", is_flag=True, help="Do not generate README.md (the model card).")
+def publish(output, repo_id, private, branch, token, message, no_card):
+    """Upload a verified conversion OUTPUT to the hub (HF_ENDPOINT selects the server).
+
+    Refuses an incomplete or damaged output. Re-running uploads only what the remote lacks.
+    """
+    from .publish import publish as do_publish
+
+    res = do_publish(output, repo_id, private=private, branch=branch, token=token, commit_message=message,
+                     card=not no_card, echo=lambda m: click.echo(m, err=True))
+    if res.uploaded:
+        click.echo(f"published {len(res.uploaded)} file(s) ({res.uploaded_bytes / 1e9:.2f} GB) to "
+                   f"{res.url} @ {res.branch} ({(res.commit or '')[:12]}); {len(res.skipped)} already there")
+    else:
+        click.echo(f"nothing to upload: {res.url} @ {res.branch} already has all {len(res.skipped)} file(s)")

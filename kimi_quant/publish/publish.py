@@ -1,0 +1,424 @@
+"""Publish a verified ascendV1 output directory to a Hugging Face hub repo (or any HF_ENDPOINT).
+
+* Refuses an output that is incomplete or fails verification (``kimi_quant.verify.verify_output``).
+* Uploads only what the remote branch lacks: each local file is compared with the remote one
+  (LFS sha256 for weights, git blob sha1 for small files, from paths-info), so a re-run after an
+  interruption or a completed publish uploads nothing already there.
+* Weight shards go first, in commits of bounded size; the small files that make the repo loadable
+  (index, description, config, model card) go in the last commit, so the branch only looks complete
+  when it is.
+* Generates the model card (README.md) into the upload set; the output directory is not modified.
+  A README.md already in the output (the source model's card, copied by convert) is uploaded as
+  ``SOURCE_README.md`` and linked from the card.
+* Transient failures (HTTP 429/5xx, dropped connections) are retried with backoff, re-planning from
+  what the remote holds; anything else is one line (KimiQuantError).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import KimiQuantError
+
+log = logging.getLogger(__name__)
+
+INDEX = "quant_model_weights.safetensors.index.json"
+DESCRIPTION = "quant_model_description.json"
+PROVENANCE = "kimi_quant_provenance.json"
+VALIDATION = "kimi_quant_validation.json"
+JOURNAL = "kimi_quant_journal.jsonl"
+SOURCE_README = "SOURCE_README.md"
+NOT_UPLOADED = (JOURNAL,)
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model", ".gguf", ".tiktoken")
+COMMIT_MAX_FILES = 50
+COMMIT_MAX_BYTES = 50 * 1024 ** 3
+
+
+class PublishError(KimiQuantError):
+    pass
+
+
+@dataclass
+class PublishResult:
+    repo_id: str
+    branch: str
+    commit: str | None
+    uploaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    uploaded_bytes: int = 0
+    url: str = ""
+
+
+# -- checking the output ---------------------------------------------------------------------------
+def check_output(output_dir: Path) -> dict | None:
+    """Raise KimiQuantError unless ``output_dir`` is a complete, verified conversion."""
+    if not output_dir.is_dir():
+        raise PublishError(f"{output_dir}: not a directory")
+    for name in (DESCRIPTION, INDEX):
+        if not (output_dir / name).is_file():
+            raise PublishError(f"{output_dir}: no {name}: not a complete kimi-quant output (refusing to publish)")
+    try:
+        index = json.loads((output_dir / INDEX).read_text())
+        shards = sorted(set((index.get("weight_map") or {}).values()))
+    except (OSError, ValueError, AttributeError) as e:
+        raise PublishError(f"{output_dir / INDEX}: unreadable ({e}); refusing to publish") from None
+    if not shards:
+        raise PublishError(f"{output_dir / INDEX}: empty weight_map; refusing to publish")
+    for s in shards:
+        if not (output_dir / s).is_file():
+            raise PublishError(f"{output_dir}: shard {s} named in the index is missing; refusing to publish")
+    try:
+        from ..verify import verify_output
+    except ImportError:  # older trees: the structural checks above are all we have
+        return None
+    try:
+        return verify_output(output_dir)
+    except KimiQuantError as e:
+        raise PublishError(f"refusing to publish: {e}") from None
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+# -- the model card -----------------------------------------------------------------------------------
+TARGET_WORDS = {
+    "a3": ("Atlas 800I A3 / Atlas 900 A3 SuperPoD", "W4A8 integer (int4 weights, int8 dynamic activations)"),
+    "950dt": ("Ascend 950DT", "W4A8 MXFP (MXFP4 weights, MXFP8 dynamic activations)"),
+}
+
+
+def model_card(output_dir: Path, repo_id: str, verify_summary: dict | None, has_source_readme: bool) -> str:
+    prov = _read_json(output_dir / PROVENANCE) or {}
+    val = _read_json(output_dir / VALIDATION)
+    desc = _read_json(output_dir / DESCRIPTION) or {}
+    index = _read_json(output_dir / INDEX) or {}
+    source = prov.get("source") or "unknown"
+    revision = prov.get("revision")
+    target = str(prov.get("target") or "")
+    device, scheme = TARGET_WORDS.get(target, (target or "unknown", desc.get("model_quant_type", "")))
+    recipe = prov.get("recipe")
+    recipe_name = recipe.get("name") if isinstance(recipe, dict) else recipe
+    recipe_sha = recipe.get("sha256") if isinstance(recipe, dict) else None
+    shards = sorted(set((index.get("weight_map") or {}).values()))
+    weights_bytes = sum((output_dir / s).stat().st_size for s in shards if (output_dir / s).exists())
+    inputs = prov.get("inputs") or {}
+    in_bytes = sum(int(v.get("size", 0)) for v in inputs.values() if isinstance(v, dict))
+    types: dict[str, int] = {}
+    for k, v in desc.items():
+        if isinstance(v, str) and k not in ("version", "model_quant_type"):
+            types[v] = types.get(v, 0) + 1
+    base_model = source if "/" in source and not source.startswith(("/", ".", "~")) else None
+
+    lines = ["---", "library_name: vllm", "tags:", "- ascend", "- quantized", "- ascendV1",
+             f"- {desc.get('model_quant_type', 'quantized').lower()}"]
+    if base_model:
+        lines += [f"base_model: {base_model}", "base_model_relation: quantized"]
+    lines += ["---", "", f"# {repo_id.split('/')[-1]}", "",
+              f"Quantized for **{device}** ({scheme}) in Huawei's ascendV1 format by kimi-quant "
+              f"{prov.get('tool_version', '')}.", "",
+              "| | |", "|---|---|",
+              f"| Source | `{source}`" + (f" @ `{revision}`" if revision else "") + " |",
+              f"| Target | `{target}`: {device} |",
+              f"| Model quant type | `{desc.get('model_quant_type', '?')}` (group size {desc.get('group_size', '?')}) |",
+              f"| Recipe | `{recipe_name}`" + (f" (sha256 `{recipe_sha[:16]}`)" if recipe_sha else "") + " |",
+              f"| Weights | {len(shards)} shards, {_fmt_bytes(weights_bytes)}" +
+              (f" (source: {_fmt_bytes(in_bytes)} in {len(inputs)} shards)" if in_bytes else "") + " |"]
+    if types:
+        lines.append("| Tensors by type | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
+    if verify_summary:
+        lines.append(f"| Verified | {verify_summary.get('shards')} shards, {verify_summary.get('tensors')} tensors "
+                     "checked against the conversion journal (sha256) |")
+    lines += ["", "## Validation", ""]
+    if val:
+        lines += ["```json", json.dumps(val, indent=2, sort_keys=True)[:20000], "```", "",
+                  f"Full report: `{VALIDATION}`."]
+    else:
+        lines.append("No validation report was produced for this conversion (run `kimi-quant validate`).")
+    tp = "16" if target == "a3" else "8"
+    lines += ["", "## Serving with vLLM-Ascend", "",
+              "```bash",
+              f"huggingface-cli download {repo_id} --local-dir ./model",
+              f"vllm serve ./model --quantization ascend --tensor-parallel-size {tp} --enable-expert-parallel \\",
+              "    --trust-remote-code --max-model-len 32768",
+              "```", "",
+              "The loader reads `quant_model_description.json` and does the NZ cast, transposes and int4 packing "
+              "views at load time; the files here are plain ND tensors. Adjust parallelism to your cluster.", "",
+              "## Provenance", "",
+              f"`{PROVENANCE}` records the source repo and revision, the sha256 of every input shard, the target, "
+              "the recipe and the tool version."]
+    if has_source_readme:
+        lines += ["", f"The source model's own card is kept as [`{SOURCE_README}`]({SOURCE_README}); "
+                      "its license terms apply to these weights."]
+    return "\n".join(lines) + "\n"
+
+
+# -- planning -----------------------------------------------------------------------------------------
+def _git_blob_sha1(data: bytes) -> str:
+    h = hashlib.sha1()
+    h.update(b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class _Item:
+    path_in_repo: str
+    local: Path | None  # None: generated content in ``data``
+    data: bytes | None
+    size: int
+    lfs: bool
+    sha256: str | None = None  # for LFS items (known or computed lazily)
+
+    def digest(self) -> str:
+        if not self.lfs:
+            return _git_blob_sha1(self.data if self.data is not None else self.local.read_bytes())
+        if self.sha256 is None:
+            self.sha256 = _sha256_file(self.local)
+        return self.sha256
+
+
+def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card: bool = True) -> list[_Item]:
+    items: list[_Item] = []
+    prov = _read_json(output_dir / PROVENANCE) or {}
+    known = {k: v.get("sha256") for k, v in (prov.get("outputs") or {}).items() if isinstance(v, dict)}
+    has_readme = False
+    for p in sorted(output_dir.rglob("*")):
+        rel = p.relative_to(output_dir).as_posix()
+        if not p.is_file() or any(part.startswith(".") for part in rel.split("/")):
+            continue
+        if rel in NOT_UPLOADED or rel.endswith((".partial", ".tmp")):
+            continue
+        size = p.stat().st_size
+        lfs = rel.endswith(LFS_SUFFIXES) or size >= 10 * 1024 * 1024
+        target = rel
+        if rel == "README.md" and card:
+            target, has_readme = SOURCE_README, True
+        # sha256 known from the provenance only after verify_output re-hashed the shards against the journal
+        sha = known.get(rel) if verify_summary is not None else None
+        items.append(_Item(target, p, None, size, lfs, sha))
+    if card:
+        text = model_card(output_dir, repo_id, verify_summary, has_readme).encode()
+        items.append(_Item("README.md", None, text, len(text), False))
+    return items
+
+
+def _is_final(item: _Item) -> bool:
+    """Files that make the repo look loadable go in the last commit."""
+    return not item.path_in_repo.endswith(".safetensors")
+
+
+# -- the upload -----------------------------------------------------------------------------------------
+def publish(output_dir, repo_id: str, private: bool = False, branch: str | None = None, token: str | None = None,
+            endpoint: str | None = None, commit_message: str | None = None, card: bool = True, retries: int = 5,
+            backoff: float = 2.0, verify: bool = True, echo=None) -> PublishResult:
+    """Create ``repo_id`` if needed and upload ``output_dir`` to ``branch`` (default main); see module doc."""
+    import os
+
+    from huggingface_hub import HfApi, constants
+
+    output_dir = Path(output_dir).expanduser().resolve()
+    say = echo or (lambda msg: log.info("%s", msg))
+    summary = check_output(output_dir) if verify else None
+    if "/" not in repo_id or repo_id.count("/") != 1:
+        raise PublishError(f"--repo-id must be ORG/NAME, got {repo_id!r}")
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    api = HfApi(endpoint=endpoint, token=token)
+    branch = branch or "main"
+    items = upload_set(output_dir, repo_id, summary, card=card)
+    result = PublishResult(repo_id, branch, None, url=f"{endpoint}/{repo_id}")
+    msg = commit_message or f"Upload {output_dir.name} (kimi-quant ascendV1)"
+
+    _retrying(lambda: _ensure_repo(api, repo_id, private, branch), retries, backoff, repo_id, "create repo")
+    done: set[str] = set()
+    failures = 0
+    while True:
+        todo = _retrying(lambda: _missing(api, repo_id, branch, items), retries, backoff, repo_id, "compare")
+        if not todo:
+            break
+        batch = _next_batch(todo)
+        names = [i.path_in_repo for i in batch]
+        say(f"uploading {len(batch)} file(s), {_fmt_bytes(sum(i.size for i in batch))}: "
+            f"{names[0]}{' ...' if len(names) > 1 else ''}")
+        part = msg if len(batch) == len(todo) else f"{msg} ({names[0]}{' ...' if len(names) > 1 else ''})"
+        try:
+            info = _attempt(lambda: _commit(api, repo_id, branch, batch, part), repo_id, "upload")
+        except _Transient as t:  # part of the batch may have landed: compare again, then retry what is missing
+            failures += 1
+            if failures >= retries:
+                raise PublishError(f"{repo_id}: upload failed after {retries} tries: {t}") from None
+            _wait(failures - 1, backoff, t.delay, "upload", str(t))
+            continue
+        result.commit = info.oid if info is not None else result.commit
+        for i in batch:
+            if i.path_in_repo not in done:
+                done.add(i.path_in_repo)
+                result.uploaded.append(i.path_in_repo)
+                result.uploaded_bytes += i.size
+    result.skipped = [i.path_in_repo for i in items if i.path_in_repo not in done]
+    if result.commit is None:
+        result.commit = _retrying(lambda: api.model_info(repo_id, revision=branch).sha, retries, backoff, repo_id,
+                                  "model info")
+    return result
+
+
+def _ensure_repo(api, repo_id: str, private: bool, branch: str) -> None:
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    if branch != "main":
+        api.create_branch(repo_id, branch=branch, exist_ok=True)
+
+
+def _missing(api, repo_id: str, branch: str, items: list[_Item]) -> list[_Item]:
+    """Items whose remote copy on ``branch`` is absent or differs."""
+    from huggingface_hub.hf_api import RepoFile
+
+    remote: dict[str, RepoFile] = {}
+    paths = [i.path_in_repo for i in items]
+    for k in range(0, len(paths), 500):
+        for p in api.get_paths_info(repo_id, paths[k:k + 500], revision=branch):
+            if isinstance(p, RepoFile):
+                remote[p.path] = p
+    out = []
+    for i in items:
+        r = remote.get(i.path_in_repo)
+        if r is None or r.size != i.size:
+            out.append(i)
+        elif i.lfs:
+            if r.lfs is None or r.lfs.sha256 != i.digest():
+                out.append(i)
+        elif r.lfs is not None or r.blob_id != i.digest():
+            out.append(i)
+    return out
+
+
+def _next_batch(todo: list[_Item]) -> list[_Item]:
+    weights = [i for i in todo if not _is_final(i)]
+    if not weights:
+        return todo  # the small files, together, last
+    batch, size = [], 0
+    for i in weights:
+        if batch and (len(batch) >= COMMIT_MAX_FILES or size + i.size > COMMIT_MAX_BYTES):
+            break
+        batch.append(i)
+        size += i.size
+    return batch
+
+
+def _commit(api, repo_id: str, branch: str, batch: list[_Item], message: str):
+    from huggingface_hub import CommitOperationAdd
+
+    ops = []
+    for i in batch:
+        op = CommitOperationAdd(path_in_repo=i.path_in_repo,
+                                path_or_fileobj=str(i.local) if i.local is not None else i.data)
+        if i.lfs and i.sha256 is not None:
+            op.upload_info.sha256 = bytes.fromhex(i.sha256)  # already verified: spare the client a re-hash
+        ops.append(op)
+    return api.create_commit(repo_id, ops, commit_message=message, revision=branch)
+
+
+class _Transient(Exception):
+    def __init__(self, msg: str, delay: float | None = None):
+        super().__init__(msg)
+        self.delay = delay
+
+
+TRANSIENT_STATUS = (408, 409, 412, 429, 500, 502, 503, 504)
+
+
+def _attempt(fn, repo_id: str, what: str):
+    """Run ``fn`` once: its result, or PublishError (one line, final) or _Transient (worth a retry)."""
+    import httpx2
+    from huggingface_hub import errors as hfe
+
+    try:
+        return fn()
+    except hfe.HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        if status in (401, 403):
+            raise PublishError(f"{repo_id}: not allowed to {what} (HTTP {status}): set HF_TOKEN to a token with "
+                               "write access to this namespace") from None
+        if isinstance(e, hfe.RevisionNotFoundError):
+            raise PublishError(f"{repo_id}: branch not found while trying to {what}") from None
+        if isinstance(e, hfe.RepositoryNotFoundError):
+            raise PublishError(f"{repo_id}: repo not found or not accessible while trying to {what}: check the "
+                               "repo id and HF_TOKEN") from None
+        if status in TRANSIENT_STATUS:
+            raise _Transient(f"HTTP {status}: {_first_line(e)}", _retry_after(e.response)) from None
+        raise PublishError(f"{repo_id}: {what} failed: HTTP {status}: {_first_line(e)}") from None
+    except (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError) as e:
+        raise _Transient(f"{type(e).__name__}: {e}") from None
+    except RuntimeError as e:  # huggingface_hub wraps a failed LFS upload: "Error while uploading 'x' to the Hub."
+        cause = e.__cause__
+        status = getattr(getattr(cause, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise PublishError(f"{repo_id}: not allowed to upload (HTTP {status}): set HF_TOKEN to a token with "
+                               "write access") from None
+        if status is not None and status not in TRANSIENT_STATUS:
+            raise PublishError(f"{repo_id}: {_first_line(e)}") from None
+        raise _Transient(_first_line(e)) from None
+    except ValueError as e:  # malformed server answers, LFS batch errors
+        raise PublishError(f"{repo_id}: {what} failed: {_first_line(e)}") from None
+    except OSError as e:
+        raise PublishError(f"{repo_id}: {what} failed: {type(e).__name__}: {e}") from None
+
+
+def _wait(attempt: int, backoff: float, delay: float | None, what: str, why: str) -> None:
+    wait = delay if delay is not None else min(60.0, backoff * 2 ** attempt) * (0.5 + random.random() / 2)
+    log.warning("publish: %s failed (%s); retrying in %.1fs", what, why, wait)
+    time.sleep(wait)
+
+
+def _retrying(fn, retries: int, backoff: float, repo_id: str, what: str):
+    for attempt in range(retries):
+        try:
+            return _attempt(fn, repo_id, what)
+        except _Transient as t:
+            if attempt + 1 >= retries:
+                raise PublishError(f"{repo_id}: {what} failed after {retries} tries: {t}") from None
+            _wait(attempt, backoff, t.delay, what, str(t))
+    raise AssertionError("unreachable")
+
+
+def _first_line(e: BaseException | None) -> str:
+    if e is None:
+        return ""
+    cause = e.__cause__ if isinstance(e, RuntimeError) and e.__cause__ is not None else e
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if cause is not e:
+        text += f" ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
+    return text
+
+
+def _retry_after(response) -> float | None:
+    try:
+        v = response.headers.get("Retry-After")
+        return float(v) if v is not None else None
+    except (AttributeError, ValueError):
+        return None

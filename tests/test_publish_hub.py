@@ -1,0 +1,264 @@
+"""publish() against the project's own fake hub (tests/hubtools/fake_hub.py), real huggingface_hub client."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hubtools.fake_hub import FakeHub  # noqa: E402
+
+from kimi_quant.errors import KimiQuantError  # noqa: E402
+from kimi_quant.publish import publish  # noqa: E402
+
+TOKEN = "hf_test_write_token"
+
+
+@pytest.fixture(autouse=True)
+def _no_xet(monkeypatch):
+    import huggingface_hub.constants as c
+
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setattr(c, "HF_HUB_DISABLE_XET", True, raising=False)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@pytest.fixture
+def hub(tmp_path):
+    h = FakeHub(tmp_path / "hub", token=TOKEN)
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    """A real, verified ascendV1 output from the pipeline (tiny synthetic K3.1 -> a3)."""
+    from kimi_quant.convert import ConvertOptions, convert
+    from kimi_quant.model.synth import synth
+
+    src = tmp_path_factory.mktemp("src")
+    synth("tiny", src, random_weights=True)
+    out = tmp_path_factory.mktemp("out")
+    convert(str(src), ConvertOptions(target="a3", output=out, workers=1, quiet=True, max_shard_size=1_000_000))
+    (out / "kimi_quant_validation.json").write_text(json.dumps({"perplexity": {"bf16": 9.9, "quant": 10.1}}))
+    return out
+
+
+@pytest.fixture
+def output(converted, tmp_path) -> Path:
+    d = tmp_path / "output"
+    shutil.copytree(converted, d)
+    return d
+
+
+def _pub(hub, output, **kw):
+    kw.setdefault("token", TOKEN)
+    kw.setdefault("backoff", 0.01)
+    return publish(output, "kq-org/tiny-a3", endpoint=hub.endpoint, **kw)
+
+
+def test_publish_uploads_verified_output_with_card(hub, output):
+    before = {p.name: p.read_bytes() for p in output.iterdir()}
+    res = _pub(hub, output)
+    remote = hub.files_at("kq-org/tiny-a3")
+    shards = sorted(p.name for p in output.glob("quant_model_weights-*.safetensors"))
+    for name in shards + ["quant_model_description.json", "quant_model_weights.safetensors.index.json",
+                          "config.json", "kimi_quant_provenance.json", "kimi_quant_validation.json"]:
+        assert remote[name] == (output / name).read_bytes(), name
+    assert "kimi_quant_journal.jsonl" not in remote
+    card = remote["README.md"].decode()
+    assert "vllm serve" in card and "--quantization ascend" in card
+    assert "a3" in card and "perplexity" in card and "kimi-k3-default" in card
+    assert remote["SOURCE_README.md"] == before["README.md"]  # the source card kept, not overwritten
+    assert {p.name: p.read_bytes() for p in output.iterdir()} == before  # output dir untouched
+    assert res.uploaded and res.commit == hub.refs("kq-org/tiny-a3")["main"]
+    # shards were uploaded over LFS and committed before the small files
+    assert hub.count("put") == len(shards)
+    commits = [r for r in hub.requests if r[1] == "commit"]
+    assert len(commits) == 2
+
+
+def test_rerun_uploads_nothing(hub, output):
+    _pub(hub, output)
+    n_put, n_commit = hub.count("put"), hub.count("commit")
+    res = _pub(hub, output)
+    assert res.uploaded == [] and len(res.skipped) > 5
+    assert hub.count("put") == n_put and hub.count("commit") == n_commit
+    assert hub.count("batch") == 1  # only the first run asked for uploads
+
+
+def test_changed_file_is_the_only_upload(hub, output):
+    _pub(hub, output)
+    val = output / "kimi_quant_validation.json"
+    val.write_text(json.dumps({"perplexity": {"bf16": 9.9, "quant": 10.3}}))
+    res = _pub(hub, output)
+    assert sorted(res.uploaded) == ["README.md", "kimi_quant_validation.json"]  # the card shows validation
+
+
+def test_branch_and_private(hub, output):
+    res = _pub(hub, output, branch="ascend-a3", private=True)
+    assert res.branch == "ascend-a3"
+    refs = hub.refs("kq-org/tiny-a3")
+    assert set(refs) == {"main", "ascend-a3"}
+    assert "README.md" in hub.files_at("kq-org/tiny-a3", "ascend-a3")
+    assert "README.md" not in hub.files_at("kq-org/tiny-a3", "main")
+    assert json.loads((hub.repo_dir("kq-org/tiny-a3") / "repo.json").read_text())["private"] is True
+
+
+def test_dropped_upload_is_retried(hub, output):
+    hub.inject("put", "drop", times=2)
+    _pub(hub, output)
+    remote = hub.files_at("kq-org/tiny-a3")
+    for p in output.glob("quant_model_weights-*.safetensors"):
+        assert remote[p.name] == p.read_bytes()
+
+
+def test_commit_500_once_is_retried(hub, output):
+    hub.inject("commit", "500", times=1)
+    res = _pub(hub, output)
+    assert "quant_model_description.json" in hub.files_at("kq-org/tiny-a3")
+    assert res.commit == hub.refs("kq-org/tiny-a3")["main"]
+
+
+def test_429_with_retry_after_is_honoured(hub, output):
+    hub.inject("preupload", "429", times=1)
+    hub.inject("paths", "429", times=1)
+    _pub(hub, output)
+    assert "README.md" in hub.files_at("kq-org/tiny-a3")
+
+
+def test_persistent_failure_is_one_line(hub, output):
+    hub.inject("commit", "500", times=50)
+    with pytest.raises(KimiQuantError) as ei:
+        _pub(hub, output, retries=3)
+    msg = str(ei.value)
+    assert "\n" not in msg and "after 3 tries" in msg and "kq-org/tiny-a3" in msg
+
+
+def test_bad_token_is_one_line(hub, output):
+    with pytest.raises(KimiQuantError, match="HF_TOKEN") as ei:
+        _pub(hub, output, token="hf_wrong")
+    assert "\n" not in str(ei.value)
+
+
+def test_refuses_incomplete_output(hub, output):
+    shard = sorted(output.glob("quant_model_weights-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(KimiQuantError, match="refusing to publish") as ei:
+        _pub(hub, output)
+    assert shard.name in str(ei.value)
+    assert not hub.exists("kq-org/tiny-a3")
+
+
+def test_refuses_output_failing_verification(hub, output):
+    shard = sorted(output.glob("quant_model_weights-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(KimiQuantError, match="refusing to publish"):
+        _pub(hub, output)
+    assert not hub.exists("kq-org/tiny-a3")
+
+
+def test_refuses_non_output(hub, tmp_path):
+    (tmp_path / "x").mkdir()
+    with pytest.raises(KimiQuantError, match="quant_model_description.json"):
+        _pub(hub, tmp_path / "x")
+
+
+def test_cli_command(hub, output, monkeypatch):
+    from click.testing import CliRunner
+
+    from kimi_quant.publish.command import publish as cmd
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    r = CliRunner().invoke(cmd, [str(output), "--repo-id", "kq-org/cli-test"])
+    assert r.exit_code == 0, r.output
+    assert "published" in r.output
+    r = CliRunner().invoke(cmd, [str(output), "--repo-id", "kq-org/cli-test"])
+    assert r.exit_code == 0 and "nothing to upload" in r.output
+
+
+# -- the hub source against the fake hub: Range resume and faults olah cannot produce ------------------
+def _hub_repo(hub, files: dict[str, bytes]) -> str:
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo("kq-org/src", exist_ok=True)
+    api.create_commit("kq-org/src", [CommitOperationAdd(k, v) for k, v in files.items()], commit_message="src")
+    return "kq-org/src"
+
+
+@pytest.fixture
+def src_repo(hub):
+    from hubtools.checkpoints import make_shards
+
+    files = make_shards(2, rows=256, cols=512)
+    return _hub_repo(hub, files), files
+
+
+def _src(hub, repo, tmp_path, **kw):
+    from kimi_quant.source.hub import HubSource
+
+    return HubSource(repo, endpoint=hub.endpoint, work_dir=tmp_path / "w", backoff=0.01, token=TOKEN, **kw)
+
+
+def test_source_resumes_dropped_download_with_range(hub, src_repo, tmp_path):
+    repo, files = src_repo
+    name = "model-00001-of-00002.safetensors"
+    src = _src(hub, repo, tmp_path)
+    assert src.entry(name).sha256 == hashlib.sha256(files[name]).hexdigest()
+    hub.inject("resolve", "drop", times=1)
+    assert src.fetch(name).read_bytes() == files[name]
+    # the second GET asked for the rest only: transferred bytes == file size (+0 re-sent)
+    assert src.downloaded_bytes == len(files[name])
+
+
+def test_source_header_uses_range(hub, src_repo, tmp_path):
+    repo, files = src_repo
+    src = _src(hub, repo, tmp_path)
+    h = src.header("model-00002-of-00002.safetensors")
+    assert len(h) == 3 and src.downloaded_bytes == 0
+
+
+def test_source_429_and_500_retried(hub, src_repo, tmp_path):
+    repo, files = src_repo
+    name = "model-00002-of-00002.safetensors"
+    src = _src(hub, repo, tmp_path)
+    hub.inject("resolve", "429", times=1)
+    hub.inject("resolve", "500", times=1)
+    assert src.fetch(name).read_bytes() == files[name]
+
+
+def test_source_404s(hub, src_repo, tmp_path):
+    from kimi_quant.source.hub import HubSource
+
+    repo, files = src_repo
+    with pytest.raises(KimiQuantError, match="revision 'nope' not found"):
+        _src(hub, repo, tmp_path, revision="nope")
+    with pytest.raises(KimiQuantError, match="repo not found"):
+        HubSource("kq-org/missing", endpoint=hub.endpoint, work_dir=tmp_path, retries=1)
+    src = _src(hub, repo, tmp_path)
+    src.files()
+    from kimi_quant.source.base import FileEntry
+
+    src._files["gone.safetensors"] = FileEntry("gone.safetensors", 10, "0" * 64)
+    with pytest.raises(KimiQuantError, match=r"gone.safetensors: not found on the hub \(HTTP 404\)"):
+        src.fetch("gone.safetensors")
+
+
+def test_source_private_repo_needs_token(hub, tmp_path, output):
+    _pub(hub, output, private=True)
+    from kimi_quant.source.hub import HubSource
+
+    with pytest.raises(KimiQuantError, match="HF_TOKEN") as ei:
+        HubSource("kq-org/tiny-a3", endpoint=hub.endpoint, work_dir=tmp_path, token="hf_wrong", retries=1)
+    assert "\n" not in str(ei.value)
+    ok = HubSource("kq-org/tiny-a3", endpoint=hub.endpoint, work_dir=tmp_path, token=TOKEN)
+    assert "README.md" in {f.name for f in ok.files()}
