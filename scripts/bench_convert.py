@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Benchmark whole-CLI conversion against reading the same bytes, with peak memory.
+
+For each target it runs `kimi-quant convert` as a subprocess on a `synth --preset bench`
+checkpoint and reports, measured in the same run:
+  * GB/s of BF16 input, and the ratio to a plain read of the same source bytes;
+  * peak RSS of the whole process tree (driver + workers, sampled every 20 ms) and of the largest process;
+  * with --double, the same on a checkpoint with twice the experts (memory must stay flat).
+Optionally (--llm-compressor) runs llm-compressor's model_free_ptq on the same checkpoint when installed.
+
+    python scripts/bench_convert.py --work /tmp/kq-bench [--experts 16] [--double] [--targets a3 950dt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def tree_rss(pid: int) -> tuple[int, int]:
+    """(sum, max) RSS in bytes over ``pid`` and its descendants."""
+    pids, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        pids.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                frontier += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    total = biggest = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        kb = int(line.split()[1]) * 1024
+                        total += kb
+                        biggest = max(biggest, kb)
+        except OSError:
+            pass
+    return total, biggest
+
+
+def run_measured(cmd: list[str]) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak_sum = peak_max = 0
+    while proc.poll() is None:
+        s, m = tree_rss(proc.pid)
+        peak_sum, peak_max = max(peak_sum, s), max(peak_max, m)
+        time.sleep(0.02)
+    out = proc.stdout.read()
+    if proc.returncode:
+        sys.exit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{out}")
+    return {"seconds": time.perf_counter() - t0, "peak_rss_tree": peak_sum, "peak_rss_max": peak_max, "log": out}
+
+
+def read_gbps(src: Path) -> tuple[float, int]:
+    """Throughput of reading every source shard byte (page cache as the conversion will see it)."""
+    files = sorted(src.glob("*.safetensors"))
+    buf = bytearray(64 << 20)
+    total = 0
+    t0 = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                total += n
+    return total / (time.perf_counter() - t0) / 1e9, total
+
+
+def synth(work: Path, experts: int) -> Path:
+    src = work / f"bench-bf16-e{experts}"
+    if not (src / "config.json").exists():
+        subprocess.run(["kimi-quant", "synth", "--preset", "bench", "--num-experts", str(experts), "-o", str(src)],
+                       check=True, stdout=subprocess.DEVNULL)
+    return src
+
+
+def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str) -> list[dict]:
+    rows = []
+    read_bw, nbytes = read_gbps(src)
+    read_bw = max(read_bw, read_gbps(src)[0])  # best of two warm reads
+    for target in targets:
+        out = work / f"out-{src.name}-{target}"
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = ["kimi-quant", "convert", str(src), "-t", target, "-o", str(out), "--max-shard-size", shard, "--quiet"]
+        if workers:
+            cmd += ["--workers", str(workers)]
+        r = run_measured(cmd)
+        gbps = nbytes / r["seconds"] / 1e9
+        rows.append({"source": src.name, "target": target, "in_gb": nbytes / 1e9, "seconds": round(r["seconds"], 2),
+                     "gbps": round(gbps, 3), "read_gbps": round(read_bw, 2), "ratio_to_read": round(gbps / read_bw, 3),
+                     "peak_rss_tree_mb": r["peak_rss_tree"] >> 20, "peak_rss_max_mb": r["peak_rss_max"] >> 20})
+        shutil.rmtree(out, ignore_errors=True)
+    return rows
+
+
+def bench_llm_compressor(src: Path, work: Path) -> list[dict]:
+    try:
+        import llmcompressor  # noqa: F401
+    except ImportError:
+        print("llm-compressor not installed: skipping the side-by-side", file=sys.stderr)
+        return []
+    rows = []
+    code = ("import sys; from llmcompressor import model_free_ptq; "
+            "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['re:.*norm.*','lm_head','re:.*embed.*'], device='cpu')")
+    for scheme in ("W4A8", "MXFP4"):
+        out = work / f"llmc-{scheme}"
+        shutil.rmtree(out, ignore_errors=True)
+        r = run_measured([sys.executable, "-c", code, str(src), str(out), scheme])
+        nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        rows.append({"tool": "llm-compressor", "scheme": scheme, "seconds": round(r["seconds"], 2),
+                     "gbps": round(nbytes / r["seconds"] / 1e9, 3), "peak_rss_tree_mb": r["peak_rss_tree"] >> 20})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="/tmp/kq-bench")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--double", action="store_true", help="also run with twice the experts (flat-memory check)")
+    ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--max-shard-size", default="256MiB")
+    ap.add_argument("--llm-compressor", action="store_true")
+    ap.add_argument("--json", help="write results here")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = bench(synth(work, args.experts), work, args.targets, args.workers, args.max_shard_size)
+    if args.double:
+        rows += bench(synth(work, 2 * args.experts), work, args.targets, args.workers, args.max_shard_size)
+    if args.llm_compressor:
+        rows += bench_llm_compressor(synth(work, args.experts), work)
+    print(f"cores: {os.cpu_count()}")
+    for r in rows:
+        print(json.dumps(r))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
