@@ -1,0 +1,229 @@
+"""Ray executor: every plan unit (output shard) is one Ray task on whichever node has a free core.
+
+Only the unit's JSON and file *paths* travel (never tensors): each task reads its source shards
+and writes its output shard itself, so source and output must sit on a filesystem that every
+node mounts at the same path (see docs/distributed.md). The driver in convert.py still owns the
+journal, index, description and provenance; a task returns only ``{file, size, sha256}``.
+
+- ``slots`` is the cluster's CPU count (or ``workers`` when given), so the driver keeps one unit
+  per core in flight.
+- A task is retried (``MAX_RETRIES``) when its worker or node dies or it raises ``OSError`` (a
+  flaky mount); a ``KimiQuantError`` such as ``BadCheckpoint`` is deterministic and is not. A unit
+  that still fails stops the run with one line naming its shard.
+- Progress: tasks report cumulative input bytes per unit to a small actor (a retried attempt
+  does not count twice); a driver thread drains it into ``on_progress``.
+- With no address, the executor joins ``RAY_ADDRESS`` or a cluster already running on this
+  machine, else starts a small local one (and stops only that one on shutdown).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+from .. import __version__
+from ..errors import KimiQuantError
+from .unit import convert_unit
+
+try:
+    import ray
+    from ray import exceptions as rex
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise KimiQuantError("the Ray executor needs Ray: pip install 'kimi-quant[ray]'") from e
+
+MAX_RETRIES = 3  # attempts = MAX_RETRIES + 1 for transient failures
+FLUSH_SECONDS = 0.5  # how often a task reports progress, and the driver drains it
+LOCAL_OBJECT_STORE = 200 * 2**20  # only paths go through the object store
+
+# Failures that Ray retries: the worker process or its node went away, or a transient OSError.
+_SYSTEM_ERRORS = tuple(getattr(rex, n) for n in ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError",
+                                                 "ObjectLostError", "RaySystemError", "LocalRayletDiedError")
+                       if hasattr(rex, n))
+
+
+@ray.remote(num_cpus=0)
+class _Progress:
+    """Cumulative input bytes per unit attempt; ``take`` returns what is new since the last call."""
+
+    def __init__(self):
+        self.done: dict[str, int] = {}
+        self.taken = 0
+
+    def report(self, file: str, cumulative: int) -> None:
+        if cumulative > self.done.get(file, 0):
+            self.done[file] = cumulative
+
+    def take(self) -> int:
+        total = sum(self.done.values())
+        new, self.taken = total - self.taken, total
+        return new
+
+
+class _Reporter:
+    """Batches a task's per-tensor progress into one actor call every FLUSH_SECONDS."""
+
+    def __init__(self, actor, file: str):
+        self.actor, self.file, self.bytes, self.sent, self.last = actor, file, 0, 0, time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        self.bytes += n
+        if time.monotonic() - self.last >= FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.bytes != self.sent:
+            self.actor.report.remote(self.file, self.bytes)
+            self.sent, self.last = self.bytes, time.monotonic()
+
+
+def _check_node(paths: dict[str, str], out_dir: str, version: str) -> None:
+    """Fail fast, without retries, when this node cannot see the files or runs another version."""
+    import kimi_quant
+
+    host = socket.gethostname()
+    if kimi_quant.__version__ != version:
+        raise KimiQuantError(f"node {host} runs kimi-quant {kimi_quant.__version__} but the driver runs {version}; "
+                             "install the same version on every node")
+    missing = [p for p in paths.values() if not os.path.isfile(p)]
+    if not os.path.isdir(out_dir):
+        missing.insert(0, out_dir)
+    if missing:
+        raise KimiQuantError(f"node {host} cannot see {missing[0]}: source and output must be on a filesystem "
+                             "every Ray node mounts at the same path")
+
+
+@ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=[OSError])
+def _convert_unit_task(unit: dict, paths: dict[str, str], out_dir: str, progress, version: str) -> dict:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _check_node(paths, out_dir, version)
+    rep = _Reporter(progress, unit["file"])
+    try:
+        return convert_unit(unit, paths, out_dir, progress=rep)
+    finally:
+        rep.flush()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__).strip()
+
+
+def unit_failure(file: str, exc: BaseException) -> BaseException:
+    """The exception the driver sees for a unit whose Ray task failed for good."""
+    cause = exc.cause if isinstance(exc, rex.RayTaskError) and getattr(exc, "cause", None) is not None else exc
+    if isinstance(cause, KimiQuantError):  # deterministic: never retried
+        cls = type(cause)
+        msg = f"unit {file} failed after 1 attempt: {_one_line(cause)}"
+        try:
+            err = cls(msg)
+        except Exception:  # noqa: BLE001 - a subclass with another constructor
+            err = KimiQuantError(msg)
+    elif isinstance(cause, OSError) or isinstance(cause, _SYSTEM_ERRORS):
+        what = _one_line(cause) if isinstance(cause, OSError) else f"{type(cause).__name__}: {_one_line(cause)}"
+        err = KimiQuantError(f"unit {file} failed after {MAX_RETRIES + 1} attempts: {what}")
+    elif isinstance(cause, rex.TaskCancelledError):
+        return cause
+    else:  # a bug: keep the remote traceback (RayTaskError carries it) and name the unit
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"while converting unit {file} on Ray")
+        return exc
+    err.__cause__ = cause
+    return err
+
+
+class RayExecutor:
+    def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,
+                 address: str | None = None, **_ignored):
+        self.on_progress = on_progress or (lambda n: None)
+        self._owns_ray = False
+        self._closed = False
+        if not ray.is_initialized():
+            self._init(address, workers)
+            self._owns_ray = True
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        self.slots = max(1, int(workers) if workers else cpus)
+        self._actor = _Progress.remote()
+        self._refs: dict = {}  # ObjectRef -> unit file, while outstanding
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._drain = threading.Thread(target=self._drain_progress, name="ray-progress", daemon=True)
+        self._drain.start()
+
+    @staticmethod
+    def _init(address: str | None, workers: int | None) -> None:
+        quiet = dict(logging_level=logging.WARNING, configure_logging=True)
+        try:
+            if address or os.environ.get("RAY_ADDRESS"):
+                ray.init(address=address, **quiet)
+                return
+            try:  # a cluster already running on this machine (ray start --head)
+                ray.init(address="auto", **quiet)
+                return
+            except ConnectionError:
+                pass
+            ray.init(num_cpus=workers or None, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE,
+                     **quiet)
+        except ConnectionError as e:
+            raise KimiQuantError(f"cannot reach the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}: "
+                                 f"{_one_line(e)}") from e
+
+    # -- progress -----------------------------------------------------------------------------
+    def _take(self, timeout: float = 10.0) -> None:
+        n = ray.get(self._actor.take.remote(), timeout=timeout)
+        if n:
+            self.on_progress(n)
+
+    def _drain_progress(self) -> None:
+        while not self._stop.wait(FLUSH_SECONDS):
+            try:
+                self._take()
+            except Exception:  # noqa: BLE001 - progress is cosmetic; shutdown drains the rest
+                continue
+
+    # -- executor contract ----------------------------------------------------------------------
+    def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
+        file = unit["file"]
+        ref = _convert_unit_task.remote(unit, dict(paths), str(out_dir), self._actor, __version__)
+        with self._lock:
+            self._refs[ref] = file
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+
+        def done(rf: Future) -> None:
+            with self._lock:
+                self._refs.pop(ref, None)
+            try:
+                fut.set_result(rf.result())
+            except BaseException as e:  # noqa: BLE001 - delivered to the driver through the future
+                fut.set_exception(unit_failure(file, e))
+
+        ref.future().add_done_callback(done)
+        return fut
+
+    def shutdown(self, abort: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            outstanding = list(self._refs)
+        if abort and outstanding:
+            for ref in outstanding:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - already finished or its node is gone
+                    pass
+            ray.wait(outstanding, num_returns=len(outstanding), timeout=10)  # let the kills land
+        self._stop.set()
+        self._drain.join(timeout=5)
+        try:
+            self._take()  # progress still pending in the actor
+            ray.kill(self._actor)
+        except Exception:  # noqa: BLE001
+            pass
+        if self._owns_ray:  # stops a cluster we started; for a joined one this only disconnects
+            ray.shutdown()
