@@ -254,6 +254,31 @@ def synth(preset, output, num_experts, seed, random_weights, shard_size):
     click.echo(f"wrote {out}")
 
 
+# -- demo ------------------------------------------------------------------------------------------
+@main.command()
+@click.option("--output", "-o", default="kimi-quant-demo", show_default=True, type=click.Path(file_okay=False))
+@click.option("--validate/--no-validate", "do_validate", default=True, show_default=True,
+              help="Measure perplexity of each output against the BF16 model.")
+@click.pass_context
+def demo(ctx, output, do_validate):
+    """Run the whole job on the bundled tiny K3.1-shaped model: synth -> convert (a3, 950dt) -> verify -> validate."""
+    from .model.synth import synth as run_synth
+
+    out = Path(output)
+    src = out / "tiny-bf16"
+    if not (src / "config.json").exists():
+        run_synth("tiny", src)
+    click.echo(f"source: {src} (bundled tiny K3.1-shaped model)")
+    for target in ("a3", "950dt"):
+        dest = out / f"tiny-{target}"
+        click.echo(f"\n== convert --target {target} -> {dest}")
+        ctx.invoke(convert, source=str(src), target=target, recipe=None, overrides=(), max_shard_size=parse_size("1MB"),
+                   revision=None, output=str(dest), workers=None, executor="local", ray_address=None, overwrite=False,
+                   work_dir=None, max_disk=None, keep_source=False, do_validate=do_validate, max_ppl_increase=None,
+                   push_to=None, quiet=False)
+        ctx.invoke(verify, output=str(dest), no_rehash=False)
+
+
 def _register_optional_commands() -> None:
     """Commands whose modules live with their feature (validation, publishing)."""
     for module, name in (("kimi_quant.validate.command", "validate"), ("kimi_quant.publish.command", "publish")):
