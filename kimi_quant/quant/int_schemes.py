@@ -70,7 +70,9 @@ class W4A8Dynamic(Codec):
     def quantize_bf16(self, w_u16, matmul=None, out=None):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
-        bad = kn.int4_kernel(w, res["weight"], res["weight_scale"], res["scale_bias"])
+        bad = kn.int4_kernel(
+            w, res["weight"], res["weight_scale"], res["scale_bias"], nm.INT4_GRID, nm.INT4_MAX_ITERS
+        )
         if bad >= 0:
             _raise_nonfinite(w, bad)
         res["weight_offset"].fill(0)

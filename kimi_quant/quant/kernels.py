@@ -22,9 +22,9 @@ import numpy as np
 from numba import njit
 
 from .numerics import BLOCK, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_FIX_BITS, INT4_GRID, INT4_MAX_ITERS
+from . import numerics as _nm
 
 _E2M1 = E2M1_VALUES.copy()
-_GRID = INT4_GRID.copy()
 _F32_ZERO_ROW_SCALE = np.float32(1.0)
 
 
@@ -94,7 +94,7 @@ def _int4_pass(xf, wf, s):
 
 
 @njit(cache=True)
-def _int4_row_scale(xf, wf, amax_bits, tmp):
+def _int4_row_scale(xf, wf, amax_bits, tmp, grid, max_iters):
     """numerics.int4_search_scale for one row whose float32 values are in xf."""
     K = xf.shape[0]
     if amax_bits == 0:
@@ -111,15 +111,15 @@ def _int4_row_scale(xf, wf, amax_bits, tmp):
     best = 0.0
     sxq = 0.0
     sqq = 0.0
-    for g in range(_GRID.shape[0]):
-        st = s0 * _GRID[g]
+    for g in range(grid.shape[0]):
+        st = s0 * grid[g]
         a, b = _int4_pass(xf, wf, st)
         a = a * pinv
         sd = np.float64(st)
         e_t = sd * sd * b - 2.0 * sd * a
         if g == 0 or e_t < best:
             s, best, sxq, sqq = st, e_t, a, b
-    for _ in range(INT4_MAX_ITERS):
+    for _ in range(max_iters):
         if not sqq > 0.0:
             break
         s_new = np.float32(sxq / sqq)
@@ -137,24 +137,26 @@ def _int4_row_scale(xf, wf, amax_bits, tmp):
 
 @njit(cache=True)
 def _int4_row_final(xf, s, qrow, chunks, qsum):
+    """Codes of one row into qrow (int8) and their sums over ``chunks`` contiguous K chunks."""
     K = xf.shape[0]
-    L = K // chunks
     lo = np.float32(-8.0)
     hi = np.float32(7.0)
+    for k in range(K):
+        t = np.rint(xf[k] / s)
+        qrow[k] = np.int8(min(max(t, lo), hi))
+    L = K // chunks
     for c in range(chunks):
-        acc = 0
+        acc = np.int32(0)
         for k in range(c * L, (c + 1) * L):
-            t = np.rint(xf[k] / s)
-            t = min(max(t, lo), hi)
-            qi = np.int8(t)
-            qrow[k] = qi
-            acc += qi
+            acc += np.int32(qrow[k])
         qsum[c] = acc
 
 
 @njit(cache=True)
-def int4_kernel(w, packed_out, s_out, bias_out):
-    """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks]."""
+def int4_kernel(w, packed_out, s_out, bias_out, grid, max_iters):
+    """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks].
+
+    grid / max_iters: numerics.INT4_GRID / INT4_MAX_ITERS (passed in so they stay data)."""
     N, K = w.shape
     chunks = bias_out.shape[1]
     xu = np.empty(K, dtype=np.uint32)
@@ -170,7 +172,7 @@ def int4_kernel(w, packed_out, s_out, bias_out):
             m = _row_to_f32(w, n, xu)
             if m >= 0x7F80:
                 return n
-            s = _int4_row_scale(xf, wf, m, tmp)
+            s = _int4_row_scale(xf, wf, m, tmp, grid, max_iters)
             s_out[n, 0] = s
             _int4_row_final(xf, s, q0 if r == 0 else q1, chunks, qsum)
             sd = np.float64(s)
@@ -193,51 +195,65 @@ def _pow2_f32(e, tmp):
 
 @njit(cache=True)
 def _tree64(d):
-    """numerics.block_sse_tree on a 32-vector of float64 squares (in place)."""
-    h = d.shape[0] // 2
-    while h >= 1:
-        for j in range(h):
-            d[j] = d[j] + d[j + h]
-        h //= 2
-    return d[0]
+    """numerics.block_sse_tree on a 32-vector of float64 squares (in place, constant trip counts)."""
+    for j in range(16):
+        d[j] = d[j] + d[j + 16]
+    for j in range(8):
+        d[j] = d[j] + d[j + 8]
+    for j in range(4):
+        d[j] = d[j] + d[j + 4]
+    for j in range(2):
+        d[j] = d[j] + d[j + 2]
+    return d[0] + d[1]
 
 
 @njit(cache=True)
 def _e2m1_block(ya, codes, dd):
-    """Round magnitudes ya (32) on the E2M1 grid; codes and squared errors (float64) out."""
-    for j in range(ya.shape[0]):
+    """Round magnitudes ya (32) on the E2M1 grid (numerics.e2m1_round): codes, squared errors (float64).
+
+    Branch-free: the code counts thresholds passed; the grid value is accumulated from the same
+    comparisons (steps 0.5, 0.5, 0.5, 0.5, 1, 1, 2), which equals E2M1_VALUES[code] exactly.
+    """
+    for j in range(BLOCK):
         y = ya[j]
-        c = (
-            np.uint8(y > np.float32(0.25))
-            + np.uint8(y >= np.float32(0.75))
-            + np.uint8(y > np.float32(1.25))
-            + np.uint8(y >= np.float32(1.75))
-            + np.uint8(y > np.float32(2.5))
-            + np.uint8(y >= np.float32(3.5))
-            + np.uint8(y > np.float32(5.0))
+        b1 = y > np.float32(0.25)
+        b2 = y >= np.float32(0.75)
+        b3 = y > np.float32(1.25)
+        b4 = y >= np.float32(1.75)
+        b5 = y > np.float32(2.5)
+        b6 = y >= np.float32(3.5)
+        b7 = y > np.float32(5.0)
+        codes[j] = np.uint8(b1) + np.uint8(b2) + np.uint8(b3) + np.uint8(b4) + np.uint8(b5) + np.uint8(b6) + np.uint8(b7)
+        v = (
+            np.float32(0.5) * (np.float32(b1) + np.float32(b2) + np.float32(b3) + np.float32(b4))
+            + (np.float32(b5) + np.float32(b6))
+            + np.float32(2.0) * np.float32(b7)
         )
-        codes[j] = c
-        d = np.float64(y - _E2M1[c])
+        d = np.float64(y - v)
         dd[j] = d * d
 
 
 @njit(cache=True)
 def _e4m3_block(ya, yu, codes, dd, ru):
-    """Round magnitudes ya (32, uint32 view yu) to E4M3 (RNE, saturate 448): codes, squared errors."""
+    """Round magnitudes ya (32, uint32 view yu) to E4M3 (numerics.e4m3_round): codes, squared errors.
+
+    Branch-free: normal-range rounding on the float32 bits (saturated at 448 = 0x43E00000 by an
+    integer min, valid since the values are non-negative), subnormal range via rint(y * 512).
+    ru: uint32 scratch (32) whose float32 view carries the rounded values.
+    """
     rf = ru.view(np.float32)
-    for j in range(ya.shape[0]):
+    for j in range(BLOCK):
         u = yu[j]
-        ru[j] = (u + np.uint32(0x7FFFF) + ((u >> 20) & np.uint32(1))) & np.uint32(0xFFF00000)
-    for j in range(ya.shape[0]):
         y = ya[j]
-        r = min(rf[j], np.float32(448.0))
-        if y < np.float32(2.0**-6):
-            ms = np.rint(y * np.float32(512.0))
-            r = ms * np.float32(2.0**-9)
-            codes[j] = np.uint8(ms)
-        else:
-            rb = ru[j] if rf[j] <= np.float32(448.0) else np.uint32(0x43E00000)
-            codes[j] = np.uint8((((rb >> 23) - np.uint32(120)) << 3) | ((rb >> 20) & np.uint32(7)))
+        rn = min((u + np.uint32(0x7FFFF) + ((u >> 20) & np.uint32(1))) & np.uint32(0xFFF00000), np.uint32(0x43E00000))
+        cn = (((rn >> 23) - np.uint32(120)) << 3) | ((rn >> 20) & np.uint32(7))
+        ms = np.rint(y * np.float32(512.0))
+        sub = y < np.float32(2.0**-6)
+        codes[j] = np.uint8(np.uint32(ms) if sub else cn)
+        ru[j] = rn
+    for j in range(BLOCK):
+        y = ya[j]
+        r = np.rint(y * np.float32(512.0)) * np.float32(2.0**-9) if y < np.float32(2.0**-6) else rf[j]
         d = np.float64(y - r)
         dd[j] = d * d
 
@@ -259,9 +275,12 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
     d0 = np.empty(BLOCK, dtype=np.float64)
     d1 = np.empty(BLOCK, dtype=np.float64)
     ru = np.empty(BLOCK, dtype=np.uint32)
+    y0u = y0.view(np.uint32)
+    y1u = y1.view(np.uint32)
     neg = np.empty(BLOCK, dtype=np.uint8)
     tmp = np.empty(1, dtype=np.uint32)
     sign_bit = np.uint8(0x80) if fp8 else np.uint8(0x08)
+    ymax = np.float32(448.0) if fp8 else np.float32(6.0)
     for n in range(N):
         for blk in range(nb):
             k0 = blk * BLOCK
@@ -288,16 +307,19 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
                 for j in range(BLOCK):
                     y0[j] = af[j] * p0
                 if fp8:
-                    _e4m3_block(y0, y0.view(np.uint32), c0, d0, ru)
+                    _e4m3_block(y0, y0u, c0, d0, ru)
                 else:
                     _e2m1_block(y0, c0, d0)
                 e = e0
-                if e1 != e0:
+                # Shortcut (exact): when no element saturates under e0 (y <= ymax_elem), the e1 grid
+                # restricted to [0, ymax] is a subset of the e0 grid, so every element's e0 error is
+                # <= its e1 error and the rounded sums keep 4*sse1 < sse0 false: e0 wins, skip e1.
+                if e1 != e0 and _bits_to_f32(m, tmp) * p0 > ymax:
                     p1 = _pow2_f32(-e1, tmp)
                     for j in range(BLOCK):
                         y1[j] = af[j] * p1
                     if fp8:
-                        _e4m3_block(y1, y1.view(np.uint32), c1, d1, ru)
+                        _e4m3_block(y1, y1u, c1, d1, ru)
                     else:
                         _e2m1_block(y1, c1, d1)
                     sse0 = _tree64(d0)
@@ -308,8 +330,7 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
                             c0[j] = c1[j]
                 scale_out[n, blk] = np.uint8(e + 127)
                 for j in range(BLOCK):
-                    if c0[j] != 0 and neg[j] != 0:
-                        c0[j] |= sign_bit
+                    c0[j] |= sign_bit if (c0[j] != 0) & (neg[j] != 0) else np.uint8(0)
             if fp8:
                 for j in range(BLOCK):
                     codes_out[n, k0 + j] = c0[j]
@@ -334,7 +355,8 @@ def warmup() -> None:
     """Compile (or load from the numba cache) every kernel on a tiny input."""
     w = np.zeros((2, 32), dtype=np.uint16)
     int8_kernel(w, np.empty((2, 32), np.int8), np.empty((2, 1), np.float32))
-    int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, 1), np.float32))
-    int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, 16), np.float32))
+    for chunks in (1, 16):
+        int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, chunks), np.float32),
+                    INT4_GRID, INT4_MAX_ITERS)
     mxfp4_kernel(w, np.empty((2, 16), np.uint8), np.empty((2, 1), np.uint8))
     mxfp8_kernel(w, np.empty((2, 32), np.uint8), np.empty((2, 1), np.uint8))

@@ -25,10 +25,10 @@ import numpy as np
 BLOCK = 32
 
 #: W4A8_DYNAMIC scale grid, as fractions of the absmax scale amax / 7 (first entry must be 1)
-INT4_GRID = np.array([1.0 - 0.075 * i for i in range(11)], dtype=np.float32)
+INT4_GRID = np.linspace(1.0, 0.25, 10).astype(np.float32)
 #: least-squares refit iterations for W4A8_DYNAMIC (early exit when the scale stops changing or
 #: the error stops decreasing)
-INT4_MAX_ITERS = 16
+INT4_MAX_ITERS = 6
 #: fixed-point precision (bits below the row's top bit) of the exact ``sum(w*q)`` accumulator
 INT4_FIX_BITS = 32
 #: largest K for which the int4 accumulator is provably exact (see ``_int4_fixed_point``)
