@@ -212,12 +212,17 @@ class RayExecutor:
         with self._lock:
             outstanding = list(self._refs)
         if abort and outstanding:
-            for ref in outstanding:
-                try:
-                    ray.cancel(ref, force=True)
-                except Exception:  # noqa: BLE001 - already finished or its node is gone
-                    pass
-            ray.wait(outstanding, num_returns=len(outstanding), timeout=10)  # let the kills land
+            # First a KeyboardInterrupt in each running task (its writer removes its .partial),
+            # then a kill for whatever has not stopped within a few seconds.
+            for force, grace in ((False, 5), (True, 10)):
+                for ref in outstanding:
+                    try:
+                        ray.cancel(ref, force=force)
+                    except Exception:  # noqa: BLE001 - already finished or its node is gone
+                        pass
+                _, outstanding = ray.wait(outstanding, num_returns=len(outstanding), timeout=grace)
+                if not outstanding:
+                    break
         self._stop.set()
         self._drain.join(timeout=5)
         try:
