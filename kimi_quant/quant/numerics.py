@@ -203,12 +203,14 @@ def unpack_int4_along_n(b: np.ndarray) -> np.ndarray:
 def int4_scale_bias(q: np.ndarray, s: np.ndarray, matmul: str | None) -> np.ndarray:
     """8 * sum_k q[n,k] * s[n]: [N, 1] (gate/up) or [N, 16] over 16 contiguous K chunks (down).
 
-    The integer sum times s is exact in float64 and rounded once to float32.
+    The integer sum times s is exact in float64 and rounded once to float32 (it overflows to +-inf
+    only for weights near the float32 range, |w| > ~1e33, which real checkpoints never hold).
     """
     N, K = q.shape
     chunks = 16 if matmul == "down" else 1
     qsum = q.reshape(N, chunks, K // chunks).astype(np.int64).sum(axis=2).astype(np.float64)
-    return (8.0 * qsum * s.astype(np.float64)[:, None]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        return (8.0 * qsum * s.astype(np.float64)[:, None]).astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------------

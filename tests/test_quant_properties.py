@@ -1,0 +1,155 @@
+"""Properties of the codecs: fast path == reference bit for bit, never worse than the naive rule, codes in range."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16
+from kimi_quant.quant import get_codec
+from kimi_quant.quant import numerics as nm
+
+SCHEMES = [("W4A8_DYNAMIC", "gate"), ("W4A8_DYNAMIC", "down"), ("W8A8_DYNAMIC", None), ("W4A8_MXFP", None), ("W8A8_MXFP8", None)]
+
+
+def _bf16(x):
+    return f32_to_bf16(np.asarray(x, np.float32))
+
+
+def edge_matrices():
+    """Seeded bf16 matrices covering the awkward cases (name, uint16 [N, K])."""
+    rng = np.random.default_rng(1234)
+    out = []
+    g = rng.standard_normal((16, 128)).astype(np.float32)
+    out.append(("gauss", _bf16(0.02 * g)))
+    out.append(("t3", _bf16(0.01 * rng.standard_t(3, (16, 128)))))
+    z = _bf16(0.02 * g)
+    z[::3] = 0
+    z[1, :64] = 0
+    out.append(("zeros", z))
+    out.append(("tiny_subnormal", rng.integers(0, 0x80, (8, 64)).astype(np.uint16) | (rng.integers(0, 2, (8, 64)).astype(np.uint16) << 15)))
+    out.append(("near_min_normal", _bf16(rng.standard_normal((8, 64)) * 2.0**-125)))
+    out.append(("huge", _bf16(rng.standard_normal((8, 64)) * 1e37)))
+    out.append(("all_finite_bits", (rng.integers(0, 0x7F80, (16, 96)) | (rng.integers(0, 2, (16, 96)) << 15)).astype(np.uint16)))
+    o = _bf16(0.01 * rng.standard_normal((8, 128)))
+    o[np.arange(8), rng.integers(0, 128, 8)] = _bf16(np.float32([5.0] * 8))
+    out.append(("outliers", o))
+    # ties: integers and half-integers times powers of two, on every grid
+    t = rng.integers(-16, 17, (16, 64)).astype(np.float32) * np.float32(0.25) * np.exp2(rng.integers(-8, 8, (16, 1))).astype(np.float32)
+    out.append(("ties", _bf16(t)))
+    e = rng.choice(np.float32([0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 5, 6, 7, 7.5, 448, 464, 480]), (8, 64))
+    out.append(("mx_grid_ties", _bf16(e * rng.choice([-1, 1], (8, 64)))))
+    out.append(("constant_rows", _bf16(np.repeat(rng.standard_normal((8, 1)), 64, axis=1))))
+    return out
+
+
+EDGE = edge_matrices()
+
+
+@pytest.mark.parametrize("name,matmul", SCHEMES)
+@pytest.mark.parametrize("case", [c[0] for c in EDGE])
+def test_fast_path_bit_identical_edge_cases(name, matmul, case):
+    w = dict(EDGE)[case]
+    codec = get_codec(name)
+    fast = codec.quantize_bf16(w, matmul)
+    ref = codec.quantize(bf16_to_f32(w), matmul)
+    specs = codec.out_specs(w.shape, matmul)
+    assert fast.keys() == ref.keys() == specs.keys()
+    for k in fast:
+        assert fast[k].shape == specs[k][1]
+        assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (case, k)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 6),
+    kb=st.integers(1, 4),
+    log_scale=st.integers(-30, 30),
+    heavy=st.booleans(),
+)
+def test_fast_path_bit_identical_random(seed, n, kb, log_scale, heavy):
+    rng = np.random.default_rng(seed)
+    N, K = 2 * n, 32 * kb
+    x = rng.standard_t(2, (N, K)) if heavy else rng.standard_normal((N, K))
+    w = _bf16(x * 2.0**log_scale)
+    for name, matmul in SCHEMES:
+        codec = get_codec(name)
+        fast = codec.quantize_bf16(w, matmul)
+        ref = codec.quantize(bf16_to_f32(w), matmul)
+        for k in fast:
+            assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (name, k)
+
+
+def _row_sse(w, deq):
+    return ((w.astype(np.float64) - deq.astype(np.float64)) ** 2).sum(axis=1)
+
+
+def _block_sse(w, deq):
+    d = (w.astype(np.float64) - deq.astype(np.float64)) ** 2
+    return d.reshape(w.shape[0], -1, nm.BLOCK).sum(axis=2)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in EDGE])
+def test_int4_never_worse_than_absmax_and_codes_in_range(case):
+    w = bf16_to_f32(dict(EDGE)[case])
+    codec = get_codec("W4A8_DYNAMIC")
+    out = codec.quantize(w, "gate")
+    q = nm.unpack_int4_along_n(out["weight"])
+    assert q.min() >= -8 and q.max() <= 7
+    s = out["weight_scale"][:, 0]
+    assert np.isfinite(s).all() and (s > 0).all()
+    qa, sa = nm.int4_absmax_quantize(w)
+    sse, naive = _row_sse(w, codec.dequantize(out)), _row_sse(w, qa * sa[:, None])
+    assert (sse <= naive * (1 + 1e-9) + 1e-300).all()
+
+
+def test_int4_quality_lever_on_gaussian():
+    w = bf16_to_f32(_bf16(0.02 * np.random.default_rng(5).standard_normal((32, 1024))))
+    q, s = nm.int4_quantize(w)
+    qa, sa = nm.int4_absmax_quantize(w)
+    ratio = _row_sse(w, q * s[:, None]).sum() / _row_sse(w, qa * sa[:, None]).sum()
+    assert ratio < 0.6  # grid + refit roughly halves the squared error of absmax on Gaussian rows
+
+
+@pytest.mark.parametrize("case", [c[0] for c in EDGE])
+def test_int8_codes_and_scale(case):
+    w = bf16_to_f32(dict(EDGE)[case])
+    out = get_codec("W8A8_DYNAMIC").quantize(w)
+    assert out["weight"].min() >= -127
+    s = out["weight_scale"][:, 0]
+    assert np.isfinite(s).all() and (s > 0).all()
+    amax = np.abs(w).max(axis=1)
+    assert np.array_equal(s[amax > 0], (amax[amax > 0] / np.float32(127)).astype(np.float32))
+
+
+@pytest.mark.parametrize("name,naive_fn", [("W4A8_MXFP", "mxfp4"), ("W8A8_MXFP8", "mxfp8")])
+@pytest.mark.parametrize("case", [c[0] for c in EDGE])
+def test_mx_never_worse_than_ocp_rule(name, naive_fn, case):
+    w = bf16_to_f32(dict(EDGE)[case])
+    codec = get_codec(name)
+    out = codec.quantize(w)
+    scale = out["weight_scale"]
+    assert scale.max() <= 254
+    if name == "W8A8_MXFP8":
+        assert not np.isin(out["weight"] & 0x7F, [0x7F]).any()
+        nc, ns = nm.mxfp8_ocp_quantize(w)
+        naive = nm.mx_dequantize(nm.e4m3_to_f32(nc), ns)
+    else:
+        nc, ns = nm.mxfp4_ocp_quantize(w)
+        naive = nm.mx_dequantize(nm.e2m1_to_f32(nc), ns)
+    # the chosen exponent is the OCP one or one above it
+    d = scale.astype(int) - ns.astype(int)
+    assert np.isin(d, [0, 1]).all()
+    deq = codec.dequantize(out)
+    sse, base = _block_sse(w, deq), _block_sse(w, naive)
+    assert (sse <= base * (1 + 1e-12) + 1e-300).all()
+
+
+def test_mx_roundtrip_error_small():
+    w = bf16_to_f32(_bf16(0.02 * np.random.default_rng(7).standard_normal((16, 256))))
+    for name, tol in [("W4A8_MXFP", 0.15), ("W8A8_MXFP8", 0.04), ("W8A8_DYNAMIC", 0.02), ("W4A8_DYNAMIC", 0.15)]:
+        codec = get_codec(name)
+        deq = codec.dequantize(codec.quantize_bf16(_bf16(w), "up"))
+        rel = np.sqrt(((w - deq) ** 2).sum() / (w**2).sum())
+        assert rel < tol, (name, rel)
