@@ -74,7 +74,10 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool) -> Journal:
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = Journal(out_dir)
     summary = _plan_summary(plan)
-    foreign = journal.start is None and any(out_dir.iterdir())
+    # A journal torn before its first line was complete (and stale .partial files) mean a kimi-quant
+    # run died at its very start: not someone else's files.
+    foreign = journal.start is None and any(p.name != journal.path.name and p.suffix != ".partial"
+                                            for p in out_dir.iterdir())
     differs = journal.start is not None and journal.start.get("fingerprint") != plan.fingerprint()
     if (foreign or differs) and not overwrite:
         if foreign:
@@ -84,7 +87,7 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool) -> Journal:
     if (foreign or differs) and overwrite:
         _clear_output(out_dir)
         journal = Journal(out_dir)
-    for stale in out_dir.glob("*.partial"):
+    for stale in out_dir.rglob("*.partial"):  # copied files may live in subdirectories
         stale.unlink()
     if journal.start is None:
         journal.begin(plan.fingerprint(), summary)

@@ -9,11 +9,13 @@ directory is refused unless the user asks to overwrite.
 from __future__ import annotations
 
 import hashlib
+import errno
 import json
 import os
 from pathlib import Path
 
 from .errors import KimiQuantError
+from .write.atomic import disk_full
 
 JOURNAL = "kimi_quant_journal.jsonl"
 HASH_CHUNK = 16 * 1024 * 1024
@@ -34,31 +36,44 @@ class Journal:
         self.units: dict[str, dict] = {}  # file -> {"size", "sha256"}
         self.inputs: dict[str, str] = {}  # source file -> sha256
         self.complete = False
+        self._torn_tail = False  # the file ends in half a line: the next append starts a new one
         if self.path.exists():
             self._load()
 
     def _load(self) -> None:
-        for line in self.path.read_text().splitlines():
+        text = self.path.read_bytes().decode("utf-8", errors="replace")
+        self._torn_tail = bool(text) and not text.endswith("\n")
+        for line in text.splitlines():
             try:
                 ev = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by a crash
+            if not isinstance(ev, dict):
+                continue
             kind = ev.get("kind")
             if kind == "start":
                 self.start = ev
-            elif kind == "unit":
+            elif kind == "unit" and {"file", "size", "sha256"} <= ev.keys():
                 self.units[ev["file"]] = {"size": ev["size"], "sha256": ev["sha256"]}
-            elif kind == "input":
+            elif kind == "input" and {"file", "sha256"} <= ev.keys():
                 self.inputs[ev["file"]] = ev["sha256"]
             elif kind == "complete":
                 self.complete = True
 
     def _append(self, ev: dict) -> None:
         line = json.dumps(ev, sort_keys=True) + "\n"
-        with open(self.path, "a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        if self._torn_tail:  # never glue an event onto a line torn by a crash: it would be lost
+            line = "\n" + line
+        try:
+            with open(self.path, "a") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise disk_full(self.path, e) from None
+            raise
+        self._torn_tail = False
 
     def begin(self, fingerprint: str, summary: dict) -> None:
         self.start = {"kind": "start", "fingerprint": fingerprint, **summary}

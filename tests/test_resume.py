@@ -1,0 +1,278 @@
+"""Crash and resume: SIGKILL real ``kimi-quant convert`` runs, re-run, compare byte for byte.
+
+The whole process group is killed (driver and worker processes), which is what a power loss or
+an OOM kill of the session does. Every resumed output must equal an uninterrupted run's output in
+every file (weights, index, description, config, provenance, copied files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (JOURNAL_NAME, error_line, kq, looks_loadable, snapshot, target_args)
+
+SHARD = "1MB"  # ~25-30 output shards: many units, so kills land mid-way
+
+
+def convert_args(src, out, *extra, target="950dt"):
+    return ["convert", src, *target_args(target), "-o", out, "--max-shard-size", SHARD, "--workers", "2", *extra]
+
+
+def popen(args) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("KIMI_QUANT_DEBUG", None)
+    return subprocess.Popen([sys.executable, "-m", "kimi_quant.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.communicate(timeout=30)
+
+
+def journal_events(out: Path) -> list[dict]:
+    path = Path(out) / JOURNAL_NAME
+    if not path.exists():
+        return []
+    evs = []
+    for line in path.read_text().splitlines():
+        try:
+            evs.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return evs
+
+
+def unit_lines(out: Path) -> int:
+    return sum(1 for e in journal_events(out) if e.get("kind") == "unit")
+
+
+def summary_counts(stdout: str) -> tuple[int, int]:
+    m = re.search(r"(\d+) shards written(?:, (\d+) verified and kept)?", stdout)
+    assert m, stdout
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+@pytest.fixture(scope="module")
+def clean(mid_source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("clean") / "out"
+    t0 = time.perf_counter()
+    r = kq(*convert_args(mid_source, out))
+    secs = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    written, kept = summary_counts(r.stdout)
+    assert kept == 0
+    assert written == unit_lines(out) > 10
+    assert kq("verify", out).returncode == 0
+    return {"out": out, "snap": snapshot(out), "secs": secs, "units": written}
+
+
+def interrupt(src, out, *, delay=None, after_units=None, extra=()) -> int:
+    """Start a conversion and SIGKILL it after ``delay`` s or once ``after_units`` units are journaled.
+
+    Returns the number of unit lines the journal held at the kill (-1 if the run finished first).
+    """
+    p = popen(convert_args(src, out, *extra))
+    t0 = time.perf_counter()
+    while p.poll() is None:
+        if delay is not None and time.perf_counter() - t0 >= delay:
+            break
+        if after_units is not None and unit_lines(out) >= after_units:
+            break
+        time.sleep(0.005)
+    if p.poll() is not None:
+        p.communicate()
+        return -1
+    kill_group(p)
+    return unit_lines(out)
+
+
+def assert_not_loadable(out: Path):
+    assert not looks_loadable(out), sorted(os.listdir(out))
+    r = kq("verify", out)
+    assert r.returncode != 0
+    error_line(r.stderr)
+
+
+def resume_and_compare(src, out, clean, killed_units: int, extra=()):
+    r = kq(*convert_args(src, out, *extra))
+    assert r.returncode == 0, r.stderr
+    written, kept = summary_counts(r.stdout)
+    assert written + kept == clean["units"]
+    # Every shard the journal vouched for is kept; only the unfinished part is redone.
+    assert kept == killed_units, (written, kept, killed_units)
+    assert snapshot(out) == clean["snap"]
+    assert not list(Path(out).rglob("*.partial"))
+    assert kq("verify", out).returncode == 0
+    return written, kept
+
+
+def test_kill_at_random_points_then_resume_is_byte_identical(mid_source, clean, tmp_path):
+    rng = random.Random(20240531)
+    fractions = sorted(rng.uniform(0.35, 0.95) for _ in range(3))
+    killed_any = 0
+    for i, frac in enumerate(fractions):
+        out = tmp_path / f"out{i}"
+        n = interrupt(mid_source, out, delay=frac * clean["secs"])
+        if n < 0:
+            continue  # finished before the kill (a fast machine): nothing to resume
+        killed_any += 1
+        if not (out / JOURNAL_NAME).exists():
+            continue  # killed before the journal started: a fresh run
+        if not any(e.get("kind") == "complete" for e in journal_events(out)):
+            assert_not_loadable(out)
+        resume_and_compare(mid_source, out, clean, n)
+    assert killed_any
+
+
+def test_kill_by_journal_progress_redoes_only_the_rest(mid_source, clean, tmp_path):
+    """Kill twice (at ~1/3 and ~2/3 of the units), resume each time; only unfinished shards are redone."""
+    out = tmp_path / "out"
+    third = clean["units"] // 3
+    n1 = interrupt(mid_source, out, after_units=third)
+    assert n1 >= third
+    assert_not_loadable(out)
+    n2 = interrupt(mid_source, out, after_units=n1 + third)
+    if n2 >= 0:
+        assert n2 >= n1
+        assert_not_loadable(out)
+    else:
+        n2 = clean["units"]  # the second run finished before it could be killed
+        assert snapshot(out) == clean["snap"]
+        return
+    written, kept = resume_and_compare(mid_source, out, clean, n2)
+    assert written == clean["units"] - n2
+
+
+def test_torn_last_journal_line_is_tolerated(mid_source, clean, tmp_path):
+    """Power loss mid-append: the journal ends in half a line. Resume must still be exact and verifiable."""
+    out = tmp_path / "out"
+    n = interrupt(mid_source, out, after_units=clean["units"] // 2)
+    assert n > 0
+    path = out / JOURNAL_NAME
+    with open(path, "a") as f:
+        f.write('{"file": "quant_model_weights-00099-of-00099.safetensors", "kind": "un')
+    resume_and_compare(mid_source, out, clean, n)
+    # The events appended after the torn line must all be readable (none glued onto the torn text).
+    assert unit_lines(out) >= clean["units"]
+    assert journal_events(out)[-1]["kind"] == "complete"
+
+
+def test_torn_first_line_is_a_fresh_start(mid_source, clean, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / JOURNAL_NAME).write_text('{"fingerprint": "ab')
+    r = kq(*convert_args(mid_source, out))
+    assert r.returncode == 0, r.stderr
+    assert snapshot(out) == clean["snap"]
+
+
+def test_stale_partials_are_cleaned(mid_source, clean, tmp_path):
+    out = tmp_path / "out"
+    n = interrupt(mid_source, out, after_units=3)
+    assert n >= 3
+    (out / "quant_model_weights-00002-of-00099.safetensors.partial").write_bytes(b"junk" * 100)
+    (out / "extra").mkdir(exist_ok=True)
+    (out / "extra" / "notes.txt.partial").write_bytes(b"half a file")
+    resume_and_compare(mid_source, out, clean, n)
+
+
+def test_rerun_of_a_complete_output_redoes_nothing(mid_source, clean, tmp_path):
+    r = kq(*convert_args(mid_source, clean["out"]))
+    assert r.returncode == 0, r.stderr
+    assert summary_counts(r.stdout) == (0, clean["units"])
+    assert snapshot(clean["out"]) == clean["snap"]
+
+
+def test_a_damaged_completed_shard_is_redone(mid_source, clean, tmp_path):
+    out = tmp_path / "out"
+    n = interrupt(mid_source, out, after_units=4)
+    assert n >= 4
+    done = [e["file"] for e in journal_events(out) if e.get("kind") == "unit"]
+    victim = out / done[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    resume_and_compare(mid_source, out, clean, len(set(done)) - 1)
+
+
+@pytest.mark.parametrize("change", [
+    ["--target-swap"],
+    ["--override", "*.layers.1.*=FLOAT"],
+    ["--max-shard-size", "2MB"],
+])
+def test_a_different_conversion_is_refused_and_nothing_is_lost(mid_source, clean, tmp_path, change):
+    out = tmp_path / "out"
+    n = interrupt(mid_source, out, after_units=3)
+    assert n >= 3
+    before = snapshot(out, skip=())
+    if change == ["--target-swap"]:
+        args = ["convert", mid_source, *target_args("a3"), "-o", out, "--max-shard-size", SHARD]
+    elif change[0] == "--max-shard-size":
+        args = ["convert", mid_source, *target_args(), "-o", out, *change]
+    else:
+        args = ["convert", mid_source, "-t", "950dt", "--override", "*=FLOAT", *change, "-o", out,
+                "--max-shard-size", SHARD]
+        if not target_args()[2:]:  # codecs ready: the only override is the one under test
+            args = ["convert", mid_source, "-t", "950dt", *change, "-o", out, "--max-shard-size", SHARD]
+    r = kq(*args)
+    assert r.returncode != 0
+    line = error_line(r.stderr)
+    assert str(out) in line and "--overwrite" in line
+    assert snapshot(out, skip=()) == before
+    # The original command still resumes to the clean result.
+    resume_and_compare(mid_source, out, clean, n)
+
+
+def test_a_different_recipe_file_is_refused(mid_source, clean, tmp_path):
+    from importlib import resources
+
+    text = resources.files("kimi_quant.recipe").joinpath("kimi_k3.toml").read_text()
+    recipe = tmp_path / "mine.toml"
+    recipe.write_text(text.replace('name = "kimi-k3-default"', 'name = "mine"').replace(
+        '"latent_moe.*" = "W8A8_MXFP8"', '"latent_moe.*" = "FLOAT"'))
+    out = tmp_path / "out"
+    n = interrupt(mid_source, out, after_units=3)
+    assert n >= 3
+    before = snapshot(out, skip=())
+    r = kq("convert", mid_source, *target_args(), "--recipe", recipe, "-o", out, "--max-shard-size", SHARD)
+    assert r.returncode != 0
+    assert "--overwrite" in error_line(r.stderr)
+    assert snapshot(out, skip=()) == before
+
+
+def test_overwrite_replaces_another_conversion(mid_source, clean, tmp_path, tiny_source):
+    out = tmp_path / "out"
+    r = kq("convert", tiny_source, *target_args("a3"), "-o", out, "-q")
+    assert r.returncode == 0, r.stderr
+    (out / "user_file.txt").write_text("mine")
+    r = kq(*convert_args(mid_source, out))
+    assert r.returncode != 0
+    error_line(r.stderr)
+    assert (out / "user_file.txt").exists()
+    r = kq(*convert_args(mid_source, out, "--overwrite"))
+    assert r.returncode == 0, r.stderr
+    assert snapshot(out) == clean["snap"]
+
+
+def test_a_foreign_directory_is_refused(mid_source, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "important.bin").write_bytes(b"x" * 10)
+    r = kq(*convert_args(mid_source, out))
+    assert r.returncode != 0
+    assert "--overwrite" in error_line(r.stderr)
+    assert sorted(os.listdir(out)) == ["important.bin"]
