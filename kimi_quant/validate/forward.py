@@ -117,7 +117,7 @@ def kda_chunked(q, k, v, g, beta, chunk_size: int = 64, initial_state=None):
     S_t = D_t S_0 + sum_{i<=t} diag(exp(G_t - G_i)) k_i u_i^T, where the pseudo-values u solve the
     unit lower-triangular system u_t + beta_t sum_{i<t} A_ti u_i = beta_t (v_t - (k_t e^{G_t})^T S_0),
     A_ti = sum_c k_t[c] k_i[c] exp(G_t[c] - G_i[c]). Pairwise decays are formed as exp of differences
-    (never exp(-G) alone), so a decay of up to -5 per token cannot overflow over a 64-token chunk.
+    through sub-blocks (see below), so no decay, however strong, can overflow over a 64-token chunk.
     """
     B, T, h, dk = k.shape
     dv = v.shape[-1]
@@ -132,19 +132,34 @@ def kda_chunked(q, k, v, g, beta, chunk_size: int = 64, initial_state=None):
     q, k, v, g = (a.reshape(B, N, C, h, -1).permute(0, 3, 1, 2, 4) for a in (q, k, v, g))
     beta = beta.reshape(B, N, C, h).permute(0, 3, 1, 2)
     G = torch.cumsum(g, dim=3)
-    diff = G.unsqueeze(4) - G.unsqueeze(3)  # [B, h, N, C(t), C(i), dk] = G_t - G_i
+    # Pairwise decays exp(G_t - G_i) factor through the end r(i) of i's sub-block of S tokens:
+    # exp(G_t - G_r) * exp(G_r - G_i). The right factor is in [e^-80, 1]; the left one is <= 1 for
+    # t past the sub-block (underflow there is harmless: the true value is as small) and <= e^80
+    # inside it; t before the sub-block is masked. S is chosen so S * max|g| <= 80: no overflow.
+    gmax = float(-g.min()) if g.numel() else 0.0
+    S = C
+    while S > 1 and (S - 1) * gmax > 80.0:
+        S //= 2
+    while C % S:
+        S -= 1
+    J = C // S
+    Gend = G[:, :, :, S - 1::S, :]  # [B, h, N, J, dk]
+    sub = torch.arange(C, device=q.device) // S
+    live = (sub[:, None] >= torch.arange(J, device=q.device)[None, :])[:, :, None]  # [C, J, 1]
+    left = torch.where(live, G.unsqueeze(4) - Gend.unsqueeze(3), torch.full((), -math.inf))  # [B,h,N,C,J,dk]
+    left = torch.exp(left)
+    right = torch.exp(Gend.repeat_interleave(S, dim=3) - G)  # [B, h, N, C(i), dk]
+    kr = (k * right).reshape(B, h, N, J, S, dk)
     idx = torch.arange(C, device=q.device)
-    incl = idx[:, None] >= idx[None, :]
-    strict = idx[:, None] > idx[None, :]
-    decay = torch.exp(torch.where(incl[:, :, None], diff, torch.full_like(diff, -math.inf)))
-    A_kk = torch.einsum("bhntc,bhnic,bhntic->bhnti", k, k, decay) * strict
-    A_qk = torch.einsum("bhntc,bhnic,bhntic->bhnti", q, k, decay)  # inclusive (decay is 0 above)
-    eye = torch.eye(C, device=q.device, dtype=q.dtype)
-    Tm = eye + beta.unsqueeze(-1) * A_kk
+    A_kk = torch.einsum("bhntjc,bhnjsc->bhntjs", k.unsqueeze(4) * left, kr).reshape(B, h, N, C, C)
+    A_qk = torch.einsum("bhntjc,bhnjsc->bhntjs", q.unsqueeze(4) * left, kr).reshape(B, h, N, C, C)
+    A_kk = A_kk * (idx[:, None] > idx[None, :])
+    A_qk = A_qk * (idx[:, None] >= idx[None, :])
+    Tm = beta.unsqueeze(-1) * A_kk  # strictly lower part of the unit lower-triangular system
     kg = k * torch.exp(G)
     qg = q * torch.exp(G)
     rhs = torch.cat([beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * kg], dim=-1)
-    sol = torch.linalg.solve_triangular(Tm, rhs, upper=False, unitriangular=True)
+    sol = _unit_lower_solve(Tm, rhs)
     U0, W = sol[..., :dv], sol[..., dv:]  # u = U0 - W S_0
     G_last = G[:, :, :, -1:, :]  # [B, h, N, 1, dk]
     k_end = k * torch.exp(G_last - G)  # decay from token i to the end of the chunk
@@ -157,6 +172,16 @@ def kda_chunked(q, k, v, g, beta, chunk_size: int = 64, initial_state=None):
     o = torch.stack(outs, dim=2)  # [B, h, N, C, dv]
     o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, h, dv)[:, :T]
     return o, S
+
+
+def _unit_lower_solve(A: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
+    """Solve A X = R for unit lower-triangular A [..., C, C] by forward substitution, batched over the
+    leading dims (torch's batched CPU triangular solve is ~10x slower for many small systems)."""
+    rows = [R[..., 0, :]]
+    for t in range(1, A.shape[-1]):
+        prev = torch.stack(rows, dim=-2)  # [..., t, n]
+        rows.append(R[..., t, :] - (A[..., t:t + 1, :t] @ prev).squeeze(-2))
+    return torch.stack(rows, dim=-2)
 
 
 def _causal_conv_silu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -277,7 +302,9 @@ def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Te
     return idx, wts * cfg.routed_scaling_factor
 
 
-def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> torch.Tensor:
+def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, dense: bool = False) -> torch.Tensor:
+    """Latent MoE. ``dense=True`` (training path) runs every expert on every token and weights the
+    outputs by the (mostly zero) routing matrix: same result, no gather/scatter."""
     lin = _Lin(w, act)
     M = "block_sparse_moe."
     shape = x.shape
@@ -286,7 +313,15 @@ def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> torch.Tensor:
     latent = bool(cfg.routed_expert_hidden_size)
     z = lin(xf, M + "routed_expert_down_proj.weight") if latent else xf
     y = z.new_zeros(z.shape)
-    for e in range(cfg.num_experts):
+    if dense and not act:
+        W1 = torch.stack([w[f"{M}experts.{e}.w1.weight"] for e in range(cfg.num_experts)])
+        W3 = torch.stack([w[f"{M}experts.{e}.w3.weight"] for e in range(cfg.num_experts)])
+        W2 = torch.stack([w[f"{M}experts.{e}.w2.weight"] for e in range(cfg.num_experts)])
+        he = situ(torch.einsum("nr,eir->eni", z, W1), torch.einsum("nr,eir->eni", z, W3),
+                  cfg.situ_beta, cfg.situ_linear_beta)
+        R = torch.zeros(z.shape[0], cfg.num_experts, dtype=z.dtype, device=z.device).scatter(1, idx, wts)
+        y = torch.einsum("eni,eri,ne->nr", he, W2, R)
+    for e in range(cfg.num_experts if not (dense and not act) else 0):
         tok, slot = (idx == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
@@ -329,7 +364,7 @@ def embed(gw: Weights, ids: torch.Tensor) -> State:
 
 
 def layer_forward(cfg: TextConfig, i: int, w: Weights, state: State, act: dict[str, str] | None = None,
-                  kda_impl: str = "chunked", chunk_size: int = 64) -> State:
+                  kda_impl: str = "chunked", chunk_size: int = 64, moe_dense: bool = False) -> State:
     """Decoder layer ``i`` on the carried state, with this layer's weights only (names relative to the layer)."""
     eps = cfg.rms_norm_eps
     Bsz = cfg.attn_res_block_size or 0
@@ -348,7 +383,7 @@ def layer_forward(cfg: TextConfig, i: int, w: Weights, state: State, act: dict[s
     p = a if p is None else p + a
     h2 = attn_res_mix(blocks, p, w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], eps) if Bsz else p
     h2n = rmsnorm(h2, w["post_attention_layernorm.weight"], eps)
-    m = dense_mlp(cfg, w, h2n, "mlp.", act) if cfg.is_dense(i) else moe(cfg, w, h2n, act)
+    m = dense_mlp(cfg, w, h2n, "mlp.", act) if cfg.is_dense(i) else moe(cfg, w, h2n, act, moe_dense)
     return State(p + m, blocks)
 
 

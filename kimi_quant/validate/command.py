@@ -1,0 +1,33 @@
+"""``kimi-quant validate SOURCE QUANTIZED``: perplexity and per-layer agreement (registered by cli.py)."""
+
+from __future__ import annotations
+
+import click
+
+from ..errors import KimiQuantError
+
+
+@click.command("validate")
+@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.argument("quantized", type=click.Path(exists=True, file_okay=False))
+@click.option("--calibration", "calibration", default=None, metavar="FILE|NAME",
+              help="jsonl ('text' field), txt or parquet file, builtin:heldout (default) / builtin:train, "
+                   "or a hub dataset id (online only).")
+@click.option("--max-tokens", type=int, default=4096, show_default=True, help="Tokens of calibration text to use.")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Window length (non-overlapping).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="REPORT",
+              help="Write the full report as JSON here.")
+@click.option("--quiet", is_flag=True, help="No per-layer progress on stderr.")
+def validate(source, quantized, calibration, max_tokens, seq_len, json_path, quiet):
+    """Compare QUANTIZED (an ascendV1 output dir) with its BF16 SOURCE: perplexity on the same windows
+    and per-layer cosine / relative error, with the device's activation quantization simulated."""
+    from .run import format_table, run_validation
+
+    try:
+        report = run_validation(source, quantized, calibration=calibration, max_tokens=max_tokens,
+                                seq_len=seq_len, json_path=json_path, progress=not quiet)
+    except KimiQuantError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_table(report))
+    if json_path:
+        click.echo(f"report written to {json_path}")
