@@ -262,3 +262,38 @@ def test_source_private_repo_needs_token(hub, tmp_path, output):
     assert "\n" not in str(ei.value)
     ok = HubSource("kq-org/tiny-a3", endpoint=hub.endpoint, work_dir=tmp_path, token=TOKEN)
     assert "README.md" in {f.name for f in ok.files()}
+
+
+def test_source_disk_full_is_one_line(hub, src_repo, tmp_path, monkeypatch):
+    import errno
+
+    import kimi_quant.source.hub as hubmod
+
+    repo, files = src_repo
+    src = _src(hub, repo, tmp_path)
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            self.f.close()
+
+        def write(self, b):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __getattr__(self, k):
+            return getattr(self.f, k)
+
+    def fake_open(path, mode="r", *a, **kw):
+        f = real_open(path, mode, *a, **kw)
+        return Full(f) if "partial" in str(path) and mode in ("wb", "r+b") else f
+
+    monkeypatch.setattr(hubmod, "open", fake_open, raising=False)
+    with pytest.raises(KimiQuantError, match="disk full") as ei:
+        src.fetch("model-00001-of-00002.safetensors")
+    assert "\n" not in str(ei.value)

@@ -101,8 +101,8 @@ def _fmt_bytes(n: int) -> str:
 
 # -- the model card -----------------------------------------------------------------------------------
 TARGET_WORDS = {
-    "a3": ("Atlas 800I A3 / Atlas 900 A3 SuperPoD", "W4A8 integer (int4 weights, int8 dynamic activations)"),
-    "950dt": ("Ascend 950DT", "W4A8 MXFP (MXFP4 weights, MXFP8 dynamic activations)"),
+    "a3": ("Atlas 800I A3 / Atlas 900 A3 SuperPoD", "W4A8 integer: int4 weights, int8 dynamic activations"),
+    "950dt": ("Ascend 950DT", "W4A8 MXFP: MXFP4 weights, MXFP8 dynamic activations"),
 }
 
 
@@ -133,7 +133,7 @@ def model_card(output_dir: Path, repo_id: str, verify_summary: dict | None, has_
     if base_model:
         lines += [f"base_model: {base_model}", "base_model_relation: quantized"]
     lines += ["---", "", f"# {repo_id.split('/')[-1]}", "",
-              f"Quantized for **{device}** ({scheme}) in Huawei's ascendV1 format by kimi-quant "
+              f"Quantized for **{device}** in Huawei's ascendV1 format ({scheme}) by kimi-quant "
               f"{prov.get('tool_version', '')}.", "",
               "| | |", "|---|---|",
               f"| Source | `{source}`" + (f" @ `{revision}`" if revision else "") + " |",
@@ -156,7 +156,7 @@ def model_card(output_dir: Path, repo_id: str, verify_summary: dict | None, has_
     tp = "16" if target == "a3" else "8"
     lines += ["", "## Serving with vLLM-Ascend", "",
               "```bash",
-              f"huggingface-cli download {repo_id} --local-dir ./model",
+              f"hf download {repo_id} --local-dir ./model",
               f"vllm serve ./model --quantization ascend --tensor-parallel-size {tp} --enable-expert-parallel \\",
               "    --trust-remote-code --max-model-len 32768",
               "```", "",
