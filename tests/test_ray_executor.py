@@ -125,15 +125,22 @@ def _quantized_tensor_and_unit(src: Path) -> tuple[str, str, str]:
     raise AssertionError("no quantized tensor in the plan")
 
 
-def test_failing_unit_stops_with_one_line_naming_its_shard(cluster, src, local_out, tmp_path):
-    bad = tmp_path / "src"
-    shutil.copytree(src, bad)
-    name, file, unit = _quantized_tensor_and_unit(bad)
-    with SafetensorsReader(bad / file) as r:
+def _corrupt(src: Path, dst: Path) -> tuple[str, str, str]:
+    """Copy ``src`` to ``dst`` with one BF16 NaN in a tensor that gets quantized; returns
+    (tensor, source file, output unit)."""
+    shutil.copytree(src, dst)
+    name, file, unit = _quantized_tensor_and_unit(dst)
+    with SafetensorsReader(dst / file) as r:
         start = r.info(name).start
-    with open(bad / file, "r+b") as f:  # one BF16 NaN in a tensor that gets quantized
+    with open(dst / file, "r+b") as f:
         f.seek(start)
         f.write(np.array([0x7FC0], "<u2").tobytes())
+    return name, file, unit
+
+
+def test_failing_unit_stops_with_one_line_naming_its_shard(cluster, src, local_out, tmp_path):
+    bad = tmp_path / "src"
+    name, file, unit = _corrupt(src, bad)
     out = tmp_path / "out"
     with pytest.raises(BadCheckpoint) as ei:
         _convert(bad, out, "ray")
@@ -228,3 +235,11 @@ def test_cli_joins_a_running_cluster(cluster, src, local_out, tmp_path):
     assert p.returncode == 0, p.stderr
     assert snapshot(out) == snapshot(local_out)
     assert ray.is_initialized() and ray.cluster_resources().get("CPU") == 2  # the cluster is still there
+    # a damaged source: exit 2 and exactly one line on stderr, naming the unit and the tensor
+    name, _, unit = _corrupt(src, tmp_path / "bad")
+    p = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "convert", str(tmp_path / "bad"), "-t", TARGET,
+                        "-o", str(tmp_path / "bad-out"), "--executor", "ray", "--ray-address", cluster,
+                        "--max-shard-size", str(SHARD), "-q"], capture_output=True, text=True, timeout=120, env=env)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"kimi-quant: error: unit {unit} failed after 1 attempt: ") and name in lines[0]
