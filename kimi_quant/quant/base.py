@@ -54,10 +54,17 @@ class Codec:
                 res[key] = arr
         return res
 
+    def require(self, shape: tuple[int, ...], matmul: str | None) -> None:
+        """Raise ValueError when ``check`` refuses the shape/role."""
+        why = self.check(tuple(shape), matmul)
+        if why:
+            raise ValueError(why)
+
     def alloc(self, shape: tuple[int, ...], matmul: str | None, out: dict[str, np.ndarray] | None = None):
         """Output arrays per ``out_specs``: those given in ``out`` (checked) and fresh ones for the rest."""
         from ..dtypes import STORAGE
 
+        self.require(tuple(shape), matmul)
         res = {}
         for key, (dtype, shp) in self.out_specs(tuple(shape), matmul).items():
             arr = (out or {}).get(key)

@@ -44,9 +44,15 @@ class W4A8Dynamic(Codec):
             return f"{self.name} is only for MLP/expert gate, up and down projections (scale_bias needs the role)"
         if N % 2:
             return f"{self.name} packs int4 pairs along N, so N must be even (got N={N})"
+        if K > nm.INT4_MAX_K:
+            return f"{self.name} supports K <= {nm.INT4_MAX_K} (got K={K})"
         if matmul == "down" and K % 16:
             return f"{self.name} down projection needs K divisible by 16 for scale_bias (got K={K})"
         return None
+
+    def require(self, shape, matmul):
+        # quantize() without a role (tests, tools) behaves like gate/up: scale_bias [N, 1]
+        super().require(shape, matmul or "gate")
 
     def out_specs(self, shape, matmul) -> Spec:
         N, K = shape
@@ -59,6 +65,7 @@ class W4A8Dynamic(Codec):
 
     def quantize(self, w, matmul=None):
         w = np.ascontiguousarray(w, dtype=np.float32)
+        self.require(w.shape, matmul)
         q, s = nm.int4_quantize(w)
         return {
             "weight": nm.pack_int4_along_n(q),
@@ -100,6 +107,7 @@ class W8A8Dynamic(Codec):
 
     def quantize(self, w, matmul=None):
         w = np.ascontiguousarray(w, dtype=np.float32)
+        self.require(w.shape, matmul)
         q, s = nm.int8_quantize(w)
         return {"weight": q, "weight_scale": s[:, None].copy(), "weight_offset": np.zeros((w.shape[0], 1), np.float32)}
 

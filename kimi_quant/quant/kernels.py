@@ -153,31 +153,41 @@ def _int4_row_final(xf, s, qrow, chunks, qsum):
 
 
 @njit(cache=True)
+def _int4_row(w, n, xu, wf, qrow, qsum, tmp, s_out, bias_out, grid, max_iters):
+    """Search the scale of row n, write its scale and scale_bias, leave its codes in qrow; -1 or n if non-finite."""
+    m = _row_to_f32(w, n, xu)
+    if m >= 0x7F80:
+        return n
+    xf = xu.view(np.float32)
+    s = _int4_row_scale(xf, wf, m, tmp, grid, max_iters)
+    s_out[n, 0] = s
+    chunks = qsum.shape[0]
+    _int4_row_final(xf, s, qrow, chunks, qsum)
+    sd = np.float64(s)
+    for c in range(chunks):
+        bias_out[n, c] = np.float32(8.0 * np.float64(qsum[c]) * sd)
+    return -1
+
+
+@njit(cache=True)
 def int4_kernel(w, packed_out, s_out, bias_out, grid, max_iters):
     """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks].
 
     grid / max_iters: numerics.INT4_GRID / INT4_MAX_ITERS (passed in so they stay data)."""
     N, K = w.shape
-    chunks = bias_out.shape[1]
     xu = np.empty(K, dtype=np.uint32)
-    xf = xu.view(np.float32)
     wf = np.empty(K, dtype=np.float64)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
-    qsum = np.empty(chunks, dtype=np.int64)
+    qsum = np.empty(bias_out.shape[1], dtype=np.int64)
     tmp = np.empty(1, dtype=np.uint32)
     for j in range(N // 2):
-        for r in range(2):
-            n = 2 * j + r
-            m = _row_to_f32(w, n, xu)
-            if m >= 0x7F80:
-                return n
-            s = _int4_row_scale(xf, wf, m, tmp, grid, max_iters)
-            s_out[n, 0] = s
-            _int4_row_final(xf, s, q0 if r == 0 else q1, chunks, qsum)
-            sd = np.float64(s)
-            for c in range(chunks):
-                bias_out[n, c] = np.float32(8.0 * np.float64(qsum[c]) * sd)
+        bad = _int4_row(w, 2 * j, xu, wf, q0, qsum, tmp, s_out, bias_out, grid, max_iters)
+        if bad >= 0:
+            return bad
+        bad = _int4_row(w, 2 * j + 1, xu, wf, q1, qsum, tmp, s_out, bias_out, grid, max_iters)
+        if bad >= 0:
+            return bad
         for k in range(K):
             packed_out[j, k] = np.int8((q0[k] & 0xF) | (q1[k] << 4))
     return -1

@@ -39,6 +39,7 @@ class W4A8MXFP(_MX):
 
     def quantize(self, w, matmul=None):
         w = np.ascontiguousarray(w, dtype=np.float32)
+        self.require(w.shape, matmul)
         code, scale = nm.mxfp4_quantize(w)
         return {"weight": nm.pack_nibbles_along_k(code), "weight_scale": scale}
 
@@ -72,6 +73,7 @@ class W8A8MXFP8(_MX):
 
     def quantize(self, w, matmul=None):
         w = np.ascontiguousarray(w, dtype=np.float32)
+        self.require(w.shape, matmul)
         code, scale = nm.mxfp8_quantize(w)
         return {"weight": code, "weight_scale": scale}
 
