@@ -155,6 +155,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     users = Counter(f for u in todo for f in u.needs)
     source.prefetch([f for f in plan.source_order() if users[f]])
     pending = deque(todo)
+    can_stage = getattr(source, "can_stage", lambda names: True)
     inflight = {}
     ok = False
     try:
@@ -162,6 +163,8 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
             hasher.start()
         while pending or inflight:
             while pending and len(inflight) < executor.slots:
+                if inflight and not can_stage(pending[0].needs):
+                    break  # its shards would overflow the staging window: wait for running units to release theirs
                 unit = pending.popleft()
                 paths = {f: str(source.fetch(f)) for f in unit.needs}
                 inflight[executor.submit(unit.to_json(), paths, str(out_dir))] = unit

@@ -535,6 +535,21 @@ class HubSource(Source):
         if size is not None:
             self.staged_bytes -= size
 
+    def can_stage(self, names) -> bool:
+        """Whether fetching all of ``names`` now keeps staging within the window (``_fits`` rules):
+        shards already staged or downloading cost nothing. The driver asks before starting a unit while
+        others are in flight, and otherwise waits for them to finish and release their shards."""
+        with self._cv:
+            new = [n for n in dict.fromkeys(names) if n not in self._reserved]
+            if not new or not self._reserved:
+                return True
+            size = sum(self.entry(n).size for n in new)
+            if self.max_disk is not None and self.staged_bytes + size > self.max_disk:
+                return False
+            if self.lookahead is not None and len(self._reserved) + len(new) > self.lookahead:
+                return False
+            return True
+
     def prefetch(self, names: list[str]) -> None:
         for n in names:
             ent = self.entry(n)
