@@ -116,6 +116,27 @@ def looks_loadable(out: str | Path) -> bool:
     return any((Path(out) / f).exists() for f in LOADABLE)
 
 
+def assert_not_complete_looking(out: str | Path) -> None:
+    """An unfinished output has no index/description, unless it stopped in the metadata phase, after
+    every shard was complete and journaled (index and description are written last of all)."""
+    import json
+
+    out = Path(out)
+    if not looks_loadable(out):
+        return
+    index = json.loads((out / LOADABLE[0]).read_text())
+    vouched = {}
+    for line in (out / JOURNAL_NAME).read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if ev.get("kind") == "unit":
+            vouched[ev["file"]] = ev["size"]
+    for f in set(index["weight_map"].values()):
+        assert f in vouched and (out / f).stat().st_size == vouched[f], (f, sorted(p.name for p in out.iterdir()))
+
+
 @pytest.fixture(scope="session")
 def mid_source(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("mid") / "src", MID_TEXT)

@@ -101,5 +101,7 @@ class ShardWriter:
     def abort(self) -> None:
         try:
             self._file.close()
+        except OSError:
+            pass  # closing flushes the buffer, which fails again on a full disk: the file goes anyway
         finally:
             self.tmp.unlink(missing_ok=True)
