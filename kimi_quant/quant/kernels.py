@@ -82,15 +82,15 @@ def int8_kernel(w, q_out, s_out):
 def _int4_pass(xf, wf, s):
     """(sum(wf q), sum(q q)) for q = clip(rint(x / s), -8, 7): exact integer sums in float64."""
     sxq = 0.0
-    sqq = 0.0
+    sqq = np.float32(0.0)  # integer-valued, < 64 * 2^17 = 2^23: exact in float32 in any order
     lo = np.float32(-8.0)
     hi = np.float32(7.0)
     for k in range(xf.shape[0]):
         t = np.rint(xf[k] / s)
         t = min(max(t, lo), hi)
         sxq += wf[k] * np.float64(t)
-        sqq += np.float64(t * t)
-    return sxq, sqq
+        sqq += t * t
+    return sxq, np.float64(sqq)
 
 
 @njit(cache=True)
@@ -244,6 +244,34 @@ def _e2m1_block(ya, codes, dd):
 
 
 @njit(cache=True)
+def _e2m1_codes(ya, codes):
+    """Codes only (as _e2m1_block)."""
+    for j in range(BLOCK):
+        y = ya[j]
+        codes[j] = (
+            np.uint8(y > np.float32(0.25))
+            + np.uint8(y >= np.float32(0.75))
+            + np.uint8(y > np.float32(1.25))
+            + np.uint8(y >= np.float32(1.75))
+            + np.uint8(y > np.float32(2.5))
+            + np.uint8(y >= np.float32(3.5))
+            + np.uint8(y > np.float32(5.0))
+        )
+
+
+@njit(cache=True)
+def _e4m3_codes(yu, ya, codes):
+    """Codes only (as _e4m3_block)."""
+    for j in range(BLOCK):
+        u = yu[j]
+        y = ya[j]
+        rn = min((u + np.uint32(0x7FFFF) + ((u >> 20) & np.uint32(1))) & np.uint32(0xFFF00000), np.uint32(0x43E00000))
+        cn = (((rn >> 23) - np.uint32(120)) << 3) | ((rn >> 20) & np.uint32(7))
+        ms = np.rint(y * np.float32(512.0))
+        codes[j] = np.uint8(np.uint32(ms) if y < np.float32(2.0**-6) else cn)
+
+
+@njit(cache=True)
 def _e4m3_block(ya, yu, codes, dd, ru):
     """Round magnitudes ya (32, uint32 view yu) to E4M3 (numerics.e4m3_round): codes, squared errors.
 
@@ -316,21 +344,20 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
                 p0 = _pow2_f32(-e0, tmp)
                 for j in range(BLOCK):
                     y0[j] = af[j] * p0
-                if fp8:
-                    _e4m3_block(y0, y0u, c0, d0, ru)
-                else:
-                    _e2m1_block(y0, c0, d0)
                 e = e0
                 # Shortcut (exact): when no element saturates under e0 (y <= ymax_elem), the e1 grid
                 # restricted to [0, ymax] is a subset of the e0 grid, so every element's e0 error is
-                # <= its e1 error and the rounded sums keep 4*sse1 < sse0 false: e0 wins, skip e1.
+                # <= its e1 error and the rounded sums keep 4*sse1 < sse0 false: e0 wins, skip e1
+                # (and the error sums).
                 if e1 != e0 and _bits_to_f32(m, tmp) * p0 > ymax:
                     p1 = _pow2_f32(-e1, tmp)
                     for j in range(BLOCK):
                         y1[j] = af[j] * p1
                     if fp8:
+                        _e4m3_block(y0, y0u, c0, d0, ru)
                         _e4m3_block(y1, y1u, c1, d1, ru)
                     else:
+                        _e2m1_block(y0, c0, d0)
                         _e2m1_block(y1, c1, d1)
                     sse0 = _tree64(d0)
                     sse1 = _tree64(d1)
@@ -338,6 +365,10 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
                         e = e1
                         for j in range(BLOCK):
                             c0[j] = c1[j]
+                elif fp8:
+                    _e4m3_codes(y0u, y0, c0)
+                else:
+                    _e2m1_codes(y0, c0)
                 scale_out[n, blk] = np.uint8(e + 127)
                 for j in range(BLOCK):
                     c0[j] |= sign_bit if (c0[j] != 0) & (neg[j] != 0) else np.uint8(0)
