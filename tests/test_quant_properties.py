@@ -153,3 +153,28 @@ def test_mx_roundtrip_error_small():
         deq = codec.dequantize(codec.quantize_bf16(_bf16(w), "up"))
         rel = np.sqrt(((w - deq) ** 2).sum() / (w**2).sum())
         assert rel < tol, (name, rel)
+
+
+def test_fast_path_bit_identical_seeded_sweep():
+    for seed in range(60):
+        rng = np.random.default_rng(10_000 + seed)
+        N, K = 2 * int(rng.integers(1, 24)), 32 * int(rng.integers(1, 24))
+        kind = seed % 5
+        if kind == 0:
+            x = rng.standard_normal((N, K)) * 2.0 ** int(rng.integers(-40, 40))
+        elif kind == 1:
+            x = rng.standard_t(1.5, (N, K)) * 2.0 ** int(rng.integers(-40, 40))
+        elif kind == 2:
+            x = rng.integers(-20, 21, (N, K)) * 2.0 ** int(rng.integers(-12, 4))
+        elif kind == 3:
+            x = np.where(rng.random((N, K)) < 0.9, 0, rng.standard_normal((N, K)))
+        if kind == 4:
+            w = (rng.integers(0, 0x7F80, (N, K)) | (rng.integers(0, 2, (N, K)) << 15)).astype(np.uint16)
+        else:
+            w = _bf16(x)
+        for name, matmul in SCHEMES:
+            codec = get_codec(name)
+            fast = codec.quantize_bf16(w, matmul)
+            ref = codec.quantize(bf16_to_f32(w), matmul)
+            for k in fast:
+                assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (seed, name, k)
