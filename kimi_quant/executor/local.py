@@ -37,6 +37,9 @@ class LocalExecutor:
         self.slots = self.workers
         self._pool = None
         if self.workers > 1:
+            from ..quant import warmup
+
+            warmup()  # compile (or load) the kernels once here, so workers load them from numba's cache
             ctx = mp.get_context("spawn")
             self._queue = ctx.Queue()
             self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
