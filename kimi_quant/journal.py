@@ -36,6 +36,7 @@ class Journal:
         self.units: dict[str, dict] = {}  # file -> {"size", "sha256"}
         self.inputs: dict[str, str] = {}  # source file -> sha256
         self.complete = False
+        self.metadata: dict[str, str] = {}  # metadata file -> sha256, recorded at completion
         self._torn_tail = False  # the file ends in half a line: the next append starts a new one
         if self.path.exists():
             self._load()
@@ -59,6 +60,7 @@ class Journal:
                 self.inputs[ev["file"]] = ev["sha256"]
             elif kind == "complete":
                 self.complete = True
+                self.metadata = ev.get("files") if isinstance(ev.get("files"), dict) else {}
 
     def _append(self, ev: dict) -> None:
         line = json.dumps(ev, sort_keys=True) + "\n"
@@ -89,8 +91,16 @@ class Journal:
             self._append({"kind": "input", "file": file, "sha256": sha256})
 
     def mark_complete(self) -> None:
+        """Record completion with the sha256 of the loader-facing metadata files (index, description,
+        config.json) so ``verify`` notices later edits. Provenance is left out: --validate amends it."""
+        from .layout.ascend_v1 import DESCRIPTION, INDEX
+
+        out_dir = self.path.parent
+        files = {name: sha256_file(out_dir / name) for name in (INDEX, DESCRIPTION, "config.json")
+                 if (out_dir / name).exists()}
         self.complete = True
-        self._append({"kind": "complete"})
+        self.metadata = files
+        self._append({"kind": "complete", "files": files})
 
     def verified_units(self, out_dir: Path, expected: set[str]) -> dict[str, dict]:
         """Journal entries whose file exists with the recorded size and sha256 (the rest is redone)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import KimiQuantError
 from .journal import Journal, sha256_file
-from .layout.ascend_v1 import DESCRIPTION, INDEX
+from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from .source.safetensors import read_header
 
 TOP_LEVEL = ("version", "model_quant_type", "group_size", "metadata", "optional")
@@ -33,6 +33,11 @@ def _load_json(out_dir: Path, name: str) -> dict:
 def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Each quantized Linear's tensors have the dtypes and shapes its type requires."""
     for name, typ in desc.items():
+        for suffix in (".weight_scale", ".weight_offset", ".scale_bias"):
+            if name.endswith(suffix) and name not in TOP_LEVEL:
+                w = name[: -len(suffix)] + ".weight"
+                if desc.get(w) != typ and (typ != "FLOAT" or w in desc):
+                    raise _fail(out_dir, f"{DESCRIPTION}: {name} is {typ} but {w} is {desc.get(w)}")
         if name in TOP_LEVEL or typ == "FLOAT" or not name.endswith(".weight"):
             continue
         base = name[: -len(".weight")]
@@ -63,6 +68,40 @@ def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[i
                 raise _fail(out_dir, f"{base}.{suffix}: is {got}, {typ} needs {wdt}{list(wshape)}")
 
 
+def _check_top_level(out_dir: Path, desc: dict) -> None:
+    """model_quant_type is the highest type present (W4A8_DYNAMIC never counting); group_size fits it."""
+    from .quant import REGISTRY
+
+    present = {v for k, v in desc.items() if k not in TOP_LEVEL}
+    unknown = sorted(t for t in present if t != "FLOAT" and t not in REGISTRY)
+    if unknown:
+        raise _fail(out_dir, f"{DESCRIPTION}: unknown type {unknown[0]!r}")
+    ranked = [(REGISTRY[t].rank, t) for t in present if t != "FLOAT" and REGISTRY[t].rank is not None]
+    want = max(ranked)[1] if ranked else "FLOAT"
+    if desc["model_quant_type"] != want:
+        raise _fail(out_dir, f"{DESCRIPTION}: model_quant_type is {desc['model_quant_type']!r} but the highest "
+                             f"type present is {want!r}")
+    if desc["version"] != "1.0.0":
+        raise _fail(out_dir, f"{DESCRIPTION}: version {desc['version']!r} is not '1.0.0'")
+    mx = any(t.endswith(("MXFP", "MXFP8")) for t in present)
+    if mx and desc["group_size"] != 32:
+        raise _fail(out_dir, f"{DESCRIPTION}: group_size {desc['group_size']!r} but MX types need 32")
+    if not mx and ranked + [t for t in present if t == "W4A8_DYNAMIC"] and desc["group_size"] != 0:
+        raise _fail(out_dir, f"{DESCRIPTION}: group_size {desc['group_size']!r} but the int path needs 0")
+
+
+def _check_provenance(out_dir: Path, journal: Journal) -> None:
+    """The provenance names the same conversion and the same shards (size, sha256) as the journal."""
+    prov = _load_json(out_dir, PROVENANCE)
+    if prov.get("plan_fingerprint") != journal.start.get("fingerprint"):
+        raise _fail(out_dir, f"{PROVENANCE} belongs to another conversion (plan fingerprint differs)")
+    outputs = prov.get("outputs") or {}
+    for f, rec in journal.units.items():
+        got = outputs.get(f) or {}
+        if got.get("sha256") != rec["sha256"] or got.get("size") != rec["size"]:
+            raise _fail(out_dir, f"{PROVENANCE}: record of {f} differs from the journal")
+
+
 def verify_output(out_dir: str | Path, rehash: bool = True) -> dict:
     """Raise KimiQuantError (one line) unless ``out_dir`` is a complete, intact ascendV1 output."""
     out_dir = Path(out_dir)
@@ -73,6 +112,11 @@ def verify_output(out_dir: str | Path, rehash: bool = True) -> dict:
         raise _fail(out_dir, "no kimi-quant journal (not written by kimi-quant?)")
     if not journal.complete:
         raise _fail(out_dir, "conversion incomplete: re-run the same convert command to finish it")
+    for name, sha in journal.metadata.items():
+        if not (out_dir / name).exists():
+            raise _fail(out_dir, f"{name} is missing")
+        if rehash and sha256_file(out_dir / name) != sha:
+            raise _fail(out_dir, f"{name}: sha256 differs from the one recorded at completion (edited?)")
     index = _load_json(out_dir, INDEX)
     desc = _load_json(out_dir, DESCRIPTION)
     weight_map = index.get("weight_map") or {}
@@ -109,6 +153,8 @@ def verify_output(out_dir: str | Path, rehash: bool = True) -> dict:
         extra = sorted(entries - set(shapes)) or sorted(set(shapes) - entries)
         raise _fail(out_dir, f"{DESCRIPTION} and the shards disagree on tensor {extra[0]!r}")
     _check_types(out_dir, desc, shapes)
+    _check_top_level(out_dir, desc)
+    _check_provenance(out_dir, journal)
     config = _load_json(out_dir, "config.json")
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise _fail(out_dir, "config.json still has quantization_config")
