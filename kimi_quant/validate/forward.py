@@ -136,7 +136,7 @@ def kda_chunked(q, k, v, g, beta, chunk_size: int = 64, initial_state=None):
     # exp(G_t - G_r) * exp(G_r - G_i). The right factor is in [e^-80, 1]; the left one is <= 1 for
     # t past the sub-block (underflow there is harmless: the true value is as small) and <= e^80
     # inside it; t before the sub-block is masked. S is chosen so S * max|g| <= 80: no overflow.
-    gmax = float(-g.min()) if g.numel() else 0.0
+    gmax = float(-g.detach().min()) if g.numel() else 0.0
     S = C
     while S > 1 and (S - 1) * gmax > 80.0:
         S //= 2

@@ -163,7 +163,7 @@ def perplexity_of_source(model_dir: str | Path, calibration: str | Path | None =
     """Perplexity of one BF16 source checkpoint (same convention as run_validation)."""
     batches = token_windows(model_dir, calibration, max_tokens, seq_len)
     with SourceLoader(model_dir) as src:
-        (nll, cnt), _, _ = _run([src], batches, progress)
+        ((nll, cnt),), _, _ = _run([src], batches, progress)
     return {"ppl": math.exp(nll / cnt), "tokens": cnt}
 
 
