@@ -8,7 +8,6 @@ after a crash redoes only what the journal does not vouch for.
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -104,23 +103,6 @@ def _clear_output(out_dir: Path) -> None:
             p.unlink()
 
 
-class _InputHasher(threading.Thread):
-    """sha256 of each local source shard, hashed beside the conversion (page cache is warm)."""
-
-    def __init__(self, source: Source, files: list[str], journal: Journal):
-        super().__init__(daemon=True)
-        self.source, self.files, self.journal = source, files, journal
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for f in self.files:
-                if f not in self.journal.inputs:
-                    self.journal.record_input(f, sha256_file(self.source.fetch(f)))
-        except BaseException as e:  # noqa: BLE001 - reported by the driver
-            self.error = e
-
-
 def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
@@ -138,19 +120,19 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     expected = {u.file for u in plan.units}
     done = journal.verified_units(out_dir, expected)
     todo = [u for u in plan.units if u.file not in done]
-    known_sha = {f.name: f.sha256 for f in source.files() if f.sha256}
-    for f, sha in known_sha.items():
-        if f in plan.inputs:
-            journal.record_input(f, sha)
+    entries = {f.name: f for f in source.files() if f.name in plan.inputs}
+    for f in entries.values():
+        if f.sha256:  # hub LFS hashes: verified on download, nothing to hash here
+            journal.record_input(f.name, f.sha256, f.stamp)
+    # Local shards are hashed by the first unit that reads them; a hash recorded by an earlier run
+    # counts only if the file's size and mtime are unchanged (a repaired shard is hashed again).
+    unhashed = {f for f in plan.inputs if f not in journal.inputs or journal.input_stamps.get(f) != entries[f].stamp}
 
     from tqdm import tqdm
 
     total = sum(u.in_bytes for u in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
-    hasher = None
-    if len(known_sha) < len(plan.inputs):
-        hasher = _InputHasher(source, [f for f in plan.source_order() if f not in known_sha], journal)
     executor = make_executor(opts.executor, opts.workers, bar.update, **opts.executor_options)
     users = Counter(f for u in todo for f in u.needs)
     source.prefetch([f for f in plan.source_order() if users[f]])
@@ -159,19 +141,22 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     inflight = {}
     ok = False
     try:
-        if hasher:
-            hasher.start()
         while pending or inflight:
             while pending and len(inflight) < executor.slots:
                 if inflight and not can_stage(pending[0].needs):
                     break  # its shards would overflow the staging window: wait for running units to release theirs
                 unit = pending.popleft()
                 paths = {f: str(source.fetch(f)) for f in unit.needs}
-                inflight[executor.submit(unit.to_json(), paths, str(out_dir))] = unit
+                job = unit.to_json()
+                job["hash_inputs"] = sorted(unhashed.intersection(unit.needs))
+                unhashed.difference_update(job["hash_inputs"])
+                inflight[executor.submit(job, paths, str(out_dir))] = unit
             finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
             for fut in finished:
                 unit = inflight.pop(fut)
                 res = fut.result()
+                for f, sha in (res.get("inputs") or {}).items():
+                    journal.record_input(f, sha, entries[f].stamp)
                 journal.record_unit(res["file"], res["size"], res["sha256"])
                 for f in unit.needs:
                     users[f] -= 1
@@ -181,10 +166,8 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     finally:
         executor.shutdown(abort=not ok)
         bar.close()
-    if hasher:
-        hasher.join()
-        if hasher.error:
-            raise hasher.error
+    for f in sorted(unhashed):  # shards whose units were all done by an earlier run
+        journal.record_input(f, sha256_file(source.fetch(f)), entries[f].stamp)
     inputs = {f: {"size": plan.inputs[f], "sha256": journal.inputs.get(f)} for f in sorted(plan.inputs)}
     units = {f: journal.units[f] for f in sorted(expected)}
     write_metadata_files(out_dir, plan, source, provenance(plan, inputs, units))

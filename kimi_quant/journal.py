@@ -35,6 +35,7 @@ class Journal:
         self.start: dict | None = None
         self.units: dict[str, dict] = {}  # file -> {"size", "sha256"}
         self.inputs: dict[str, str] = {}  # source file -> sha256
+        self.input_stamps: dict[str, str | None] = {}  # source file -> "size:mtime_ns" when it was hashed
         self.complete = False
         self.metadata: dict[str, str] = {}  # metadata file -> sha256, recorded at completion
         self._torn_tail = False  # the file ends in half a line: the next append starts a new one
@@ -58,6 +59,7 @@ class Journal:
                 self.units[ev["file"]] = {"size": ev["size"], "sha256": ev["sha256"]}
             elif kind == "input" and {"file", "sha256"} <= ev.keys():
                 self.inputs[ev["file"]] = ev["sha256"]
+                self.input_stamps[ev["file"]] = ev.get("stamp")
             elif kind == "complete":
                 self.complete = True
                 self.metadata = ev.get("files") if isinstance(ev.get("files"), dict) else {}
@@ -85,10 +87,12 @@ class Journal:
         self.units[file] = {"size": size, "sha256": sha256}
         self._append({"kind": "unit", "file": file, "size": size, "sha256": sha256})
 
-    def record_input(self, file: str, sha256: str) -> None:
-        if self.inputs.get(file) != sha256:
+    def record_input(self, file: str, sha256: str, stamp: str | None = None) -> None:
+        """Record a source file's sha256 (``stamp``: its size and mtime then, to notice a later change)."""
+        if self.inputs.get(file) != sha256 or self.input_stamps.get(file) != stamp:
             self.inputs[file] = sha256
-            self._append({"kind": "input", "file": file, "sha256": sha256})
+            self.input_stamps[file] = stamp
+            self._append({"kind": "input", "file": file, "sha256": sha256, "stamp": stamp})
 
     def mark_complete(self) -> None:
         """Record completion with the sha256 of the loader-facing metadata files (index, description,

@@ -84,6 +84,7 @@ def synth(work: Path, experts: int) -> Path:
 
 
 def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str) -> list[dict]:
+    """Convert ``src`` for each target into ``work`` (put it on tmpfs to measure compute, not the disk)."""
     rows = []
     read_bw, nbytes = read_gbps(src)
     read_bw = max(read_bw, read_gbps(src)[0])  # best of two warm reads
@@ -123,7 +124,8 @@ def bench_llm_compressor(src: Path, work: Path) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="/tmp/kq-bench")
+    ap.add_argument("--work", default="/tmp/kq-bench", help="where the synthetic source lives")
+    ap.add_argument("--out", default=None, help="where outputs go (default: --work; /dev/shm measures compute, not disk)")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--double", action="store_true", help="also run with twice the experts (flat-memory check)")
     ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
@@ -134,9 +136,11 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    rows = bench(synth(work, args.experts), work, args.targets, args.workers, args.max_shard_size)
+    out = Path(args.out or args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size)
     if args.double:
-        rows += bench(synth(work, 2 * args.experts), work, args.targets, args.workers, args.max_shard_size)
+        rows += bench(synth(work, 2 * args.experts), out, args.targets, args.workers, args.max_shard_size)
     if args.llm_compressor:
         rows += bench_llm_compressor(synth(work, args.experts), work)
     print(f"cores: {os.cpu_count()}")

@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import BadCheckpoint
+from ..journal import sha256_file
 from ..plan import UnitPlan
 from ..quant import get_codec
 from ..recipe.recipe import FLOAT
@@ -32,7 +33,12 @@ def _nonfinite(chunk: np.ndarray, dtype: str) -> bool:
 
 def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
                  progress: Callable[[int], None] | None = None) -> dict:
-    """Write output shard ``unit.file`` into ``out_dir``; return {file, size, sha256}."""
+    """Write output shard ``unit.file`` into ``out_dir``; return {file, size, sha256, inputs}.
+
+    ``unit["hash_inputs"]`` names source files this unit also hashes for the provenance (each file
+    is given to one unit, so hashing spreads over the workers instead of queueing on the driver).
+    """
+    hash_inputs = list(unit.get("hash_inputs") or []) if isinstance(unit, dict) else []
     unit = unit if isinstance(unit, UnitPlan) else UnitPlan.from_json(unit)
     entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
     readers: dict[str, SafetensorsReader] = {}
@@ -71,7 +77,7 @@ def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
     finally:
         for r in readers.values():
             r.close()
-    return {"file": unit.file, "size": size, "sha256": sha}
+    return {"file": unit.file, "size": size, "sha256": sha, "inputs": {f: sha256_file(paths[f]) for f in hash_inputs}}
 
 
 def _copy_float(writer: ShardWriter, reader: SafetensorsReader, t, where: str) -> None:

@@ -24,6 +24,11 @@ class FileEntry:
     name: str  # path relative to the repo root
     size: int
     sha256: str | None = None  # known for hub LFS files; None for local until hashed
+    mtime_ns: int | None = None  # local files: with size, tells whether a recorded hash is still valid
+
+    @property
+    def stamp(self) -> str:
+        return f"{self.size}:{self.mtime_ns}"
 
 
 class Source:

@@ -22,7 +22,8 @@ class LocalSource(Source):
         out = []
         for p in sorted(self.root.rglob("*")):
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(self.root).parts):
-                out.append(FileEntry(p.relative_to(self.root).as_posix(), p.stat().st_size))
+                st = p.stat()
+                out.append(FileEntry(p.relative_to(self.root).as_posix(), st.st_size, mtime_ns=st.st_mtime_ns))
         return out
 
     def read_bytes(self, name: str) -> bytes:
