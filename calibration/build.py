@@ -143,6 +143,14 @@ def main() -> None:
     r.shuffle(docs)
     train = [d for i, d in enumerate(docs) if i % 10]
     held = [d for i, d in enumerate(docs) if i % 10 == 0]
+    # templated documents can repeat: keep the held-out split disjoint from train (and free of repeats)
+    seen = {d["text"] for d in train}
+    held_unique = []
+    for d in held:
+        if d["text"] not in seen:
+            seen.add(d["text"])
+            held_unique.append(d)
+    held = held_unique
     # the long document (a whole stdlib module, ~48 KB) is kept whole in the train split
     train.append({"text": stdlib_copy(LONG_FILE), "source": f"python-stdlib/{LONG_FILE} (long)"})
     for name, split in (("train.jsonl", train), ("heldout.jsonl", held)):
