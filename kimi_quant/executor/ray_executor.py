@@ -75,10 +75,12 @@ class _Reporter:
         if time.monotonic() - self.last >= FLUSH_SECONDS:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = False) -> None:
         if self.bytes != self.sent:
-            self.actor.report.remote(self.file, self.bytes)
+            ref = self.actor.report.remote(self.file, self.bytes)
             self.sent, self.last = self.bytes, time.monotonic()
+            if wait:  # the last report lands before the task's result does, so totals are exact
+                ray.get(ref)
 
 
 def _check_node(paths: dict[str, str], out_dir: str, version: str) -> None:
@@ -105,7 +107,7 @@ def _convert_unit_task(unit: dict, paths: dict[str, str], out_dir: str, progress
     try:
         return convert_unit(unit, paths, out_dir, progress=rep)
     finally:
-        rep.flush()
+        rep.flush(wait=True)
 
 
 def _one_line(e: BaseException) -> str:
