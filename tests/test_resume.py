@@ -77,7 +77,7 @@ def clean(mid_source, tmp_path_factory):
     written, kept = summary_counts(r.stdout)
     assert kept == 0
     assert written == unit_lines(out) > 10
-    assert kq("verify", out).returncode == 0
+    verify(out)
     return {"out": out, "snap": snapshot(out), "secs": secs, "units": written}
 
 
@@ -101,11 +101,18 @@ def interrupt(src, out, *, delay=None, after_units=None, extra=()) -> int:
     return unit_lines(out)
 
 
+def verify(out: Path) -> None:
+    from kimi_quant.verify import verify_output
+
+    verify_output(out)
+
+
 def assert_not_loadable(out: Path):
+    from kimi_quant.errors import KimiQuantError
+
     assert_not_complete_looking(out)
-    r = kq("verify", out)
-    assert r.returncode != 0
-    error_line(r.stderr)
+    with pytest.raises(KimiQuantError, match="incomplete|missing|journal"):
+        verify(out)
 
 
 def resume_and_compare(src, out, clean, killed_units: int, extra=()):
@@ -117,7 +124,7 @@ def resume_and_compare(src, out, clean, killed_units: int, extra=()):
     assert kept == killed_units, (written, kept, killed_units)
     assert snapshot(out) == clean["snap"]
     assert not list(Path(out).rglob("*.partial"))
-    assert kq("verify", out).returncode == 0
+    verify(out)
     return written, kept
 
 
@@ -249,18 +256,21 @@ def test_a_different_conversion_is_refused_and_nothing_is_lost(mid_source, inter
     assert snapshot(out, skip=()) == interrupted["snap"]
 
 
-def test_overwrite_replaces_another_conversion(mid_source, clean, tmp_path, tiny_source):
-    out = tmp_path / "out"
-    r = kq("convert", tiny_source, *target_args("a3"), "-o", out, "-q")
-    assert r.returncode == 0, r.stderr
+def test_overwrite_replaces_another_conversion(interrupted, tmp_path, tiny_source):
+    out = copy_of(interrupted, tmp_path)
     (out / "user_file.txt").write_text("mine")
-    r = kq(*convert_args(mid_source, out))
+    args = ["convert", tiny_source, *target_args("a3"), "-o", out, "-q"]
+    r = kq(*args)
     assert r.returncode != 0
-    error_line(r.stderr)
+    assert "--overwrite" in error_line(r.stderr)
     assert (out / "user_file.txt").exists()
-    r = kq(*convert_args(mid_source, out, "--overwrite"))
+    r = kq(*args, "--overwrite")
     assert r.returncode == 0, r.stderr
-    assert snapshot(out) == clean["snap"]
+    verify(out)
+    index = json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
+    shards = {p.name for p in out.glob("quant_model_weights-*")}
+    assert shards == set(index["weight_map"].values())  # nothing left of the replaced conversion
+    assert not (out / "user_file.txt").exists()
 
 
 def test_a_foreign_directory_is_refused(mid_source, tmp_path):
