@@ -276,3 +276,24 @@ def test_act_quant_int8_and_mxfp8():
             ref = (xb / 2.0 ** e).to(torch.float8_e4m3fn).float() * 2.0 ** e
             assert torch.equal(m[r, blk * 32:(blk + 1) * 32], ref)
     assert torch.equal(fw.quant_act_mxfp8(torch.zeros(2, 32)), torch.zeros(2, 32))
+
+
+def test_unit_lower_solve_matches_torch():
+    g = torch.Generator().manual_seed(7)
+    for C in (64, 16, 12, 7):
+        L = torch.randn(2, 3, C, C, generator=g).tril(-1) * 0.2
+        R = torch.randn(2, 3, C, 5, generator=g)
+        ref = torch.linalg.solve_triangular(L + torch.eye(C), R, upper=False, unitriangular=True)
+        assert torch.allclose(fw._unit_lower_solve(L, R), ref, atol=1e-5)
+
+
+def test_kda_chunked_is_differentiable():
+    q, k, v, g, beta = _kda_inputs(B=1, T=40, h=2, dk=8, dv=8)
+    for t in (q, k, v, g, beta):
+        t.requires_grad_(True)
+    o1, _ = fw.kda_recurrent(q, k, v, g, beta)
+    grads1 = torch.autograd.grad(o1.square().sum(), (q, k, v, g, beta))
+    o2, _ = fw.kda_chunked(q, k, v, g, beta, chunk_size=16)
+    grads2 = torch.autograd.grad(o2.square().sum(), (q, k, v, g, beta))
+    for a, b in zip(grads1, grads2):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
