@@ -45,7 +45,7 @@ def _kda_inputs(B=2, T=150, h=3, dk=16, dv=24, seed=0, glow=-5.0):
 
 
 @pytest.mark.parametrize("chunk", [64, 16, 7])
-@pytest.mark.parametrize("glow", [-5.0, -0.01])
+@pytest.mark.parametrize("glow", [-5.0, -0.01, -40.0])
 def test_kda_chunked_equals_recurrent(chunk, glow):
     q, k, v, g, beta = _kda_inputs(glow=glow)
     o1, s1 = fw.kda_recurrent(q, k, v, g, beta)
