@@ -103,3 +103,15 @@ def test_hub_name_offline_is_clear_error(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(KimiQuantError, match="calibration"):
         load_texts("someorg/some-dataset")
+
+
+def test_fixture_matches_spec_and_preset():
+    from kimi_quant.model.presets import preset_config
+    from kimi_quant.model.spec import load_model_spec
+    from kimi_quant.source.safetensors import read_header
+
+    assert json.loads((FIXTURE / "config.json").read_text()) == preset_config("tiny")
+    tensors, _ = read_header(FIXTURE / "model.safetensors")
+    expected = load_model_spec(FIXTURE).expected_tensors()
+    assert {n: (t.shape, t.dtype) for n, t in tensors.items()} == expected
+    assert (FIXTURE / "model.safetensors").stat().st_size < 5_000_000
