@@ -133,3 +133,24 @@ def test_click_command(tmp_path):
     assert rep["ratio"] == 1.0 and math.isfinite(rep["ppl_bf16"])
     bad = CliRunner().invoke(validate, [str(FIXTURE), str(FIXTURE), "--quiet"])
     assert bad.exit_code != 0 and "quant_model_description.json" in bad.output
+
+
+def test_quantized_loader_activation_modes(tmp_path):
+    from kimi_quant.validate.weights import QuantizedLoader, SourceLoader
+
+    q = write_ascend_dir(tmp_path / "q", quantize=_expert_types("W4A8_DYNAMIC", "W8A8_MXFP8"))
+    with QuantizedLoader(q) as ql, SourceLoader(FIXTURE) as sl:
+        w, act = ql.layer(1)
+        wb, actb = sl.layer(1)
+    assert actb == {}
+    assert act["block_sparse_moe.experts.0.w1.weight"] == "int8"
+    assert act["self_attn.q_proj.weight"] == "mxfp8"
+    assert "self_attn.o_proj.weight" not in act  # FLOAT: no activation quantization
+    assert set(w) == set(wb)
+    for name in w:
+        assert w[name].shape == wb[name].shape and w[name].dtype == torch.float32
+        if name not in act:
+            assert torch.equal(w[name], wb[name])
+        else:
+            rel = (w[name] - wb[name]).norm() / wb[name].norm()
+            assert 0 < rel < 0.2, (name, rel)

@@ -302,18 +302,26 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
         keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     scores = scores.masked_fill(~keep, -math.inf)
     o = torch.einsum("bhst,bthd->bshd", torch.softmax(scores, dim=-1), v).reshape(B, T, nh * dv)
-    o = o * torch.sigmoid(lin(x, "self_attn.g_proj.weight"))
+    if "self_attn.g_proj.weight" in w:  # mla_use_output_gate
+        o = o * torch.sigmoid(lin(x, "self_attn.g_proj.weight"))
     return lin(o, "self_attn.o_proj.weight")
 
 
 # ------------------------------------------------------------------------------------------------
 # MLPs: dense SiTU MLP, sigmoid router, latent MoE
 # ------------------------------------------------------------------------------------------------
+def _glu(cfg: TextConfig, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SiTU for K3 (``hidden_act: situ``); SwiGLU for configs that say ``silu`` (Kimi Linear)."""
+    if cfg.raw.get("hidden_act") == "silu":
+        return F.silu(a) * b
+    return situ(a, b, cfg.situ_beta, cfg.situ_linear_beta)
+
+
 def dense_mlp(cfg: TextConfig, w: Weights, x: torch.Tensor, prefix: str, act=None) -> torch.Tensor:
     lin = _Lin(w, act)
     a = lin(x, prefix + "gate_proj.weight")
     b = lin(x, prefix + "up_proj.weight")
-    return lin(situ(a, b, cfg.situ_beta, cfg.situ_linear_beta), prefix + "down_proj.weight")
+    return lin(_glu(cfg, a, b), prefix + "down_proj.weight")
 
 
 def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Tensor):
@@ -341,8 +349,7 @@ def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, dense: bool = Fa
         W1 = torch.stack([w[f"{M}experts.{e}.w1.weight"] for e in range(cfg.num_experts)])
         W3 = torch.stack([w[f"{M}experts.{e}.w3.weight"] for e in range(cfg.num_experts)])
         W2 = torch.stack([w[f"{M}experts.{e}.w2.weight"] for e in range(cfg.num_experts)])
-        he = situ(torch.einsum("nr,eir->eni", z, W1), torch.einsum("nr,eir->eni", z, W3),
-                  cfg.situ_beta, cfg.situ_linear_beta)
+        he = _glu(cfg, torch.einsum("nr,eir->eni", z, W1), torch.einsum("nr,eir->eni", z, W3))
         R = torch.zeros(z.shape[0], cfg.num_experts, dtype=z.dtype, device=z.device).scatter(1, idx, wts)
         y = torch.einsum("eni,eri,ne->nr", he, W2, R)
     for e in range(cfg.num_experts if not (dense and not act) else 0):
@@ -351,7 +358,7 @@ def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, dense: bool = Fa
             continue
         ze = z[tok]
         E = f"{M}experts.{e}."
-        he = situ(lin(ze, E + "w1.weight"), lin(ze, E + "w3.weight"), cfg.situ_beta, cfg.situ_linear_beta)
+        he = _glu(cfg, lin(ze, E + "w1.weight"), lin(ze, E + "w3.weight"))
         y = y.index_add(0, tok, lin(he, E + "w2.weight") * wts[tok, slot].unsqueeze(-1))
     if latent:
         if cfg.latent_moe_use_norm:
