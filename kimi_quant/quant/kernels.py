@@ -10,8 +10,10 @@ exponent bits all ones); the caller turns that into ``numerics.NonFiniteWeight``
 Bit identity with the reference rests on doing the same IEEE operations in the same order:
 float32 division ``w / s``, ``rint`` (half to even), float64 sums that are either exact
 (int4: integer-valued terms) or follow the same fixed halving tree (MX block errors).
-Nothing here uses fastmath, except ``_int4_pass`` where reassociation is allowed: its sums are
-exact integers (float64 for sum(wf q), float32 for sum(q^2)), so any order gives the same result.
+Nothing here uses fastmath, except the int4 passes where reassociation (and FMA contraction) is
+allowed: their sums are exact integers (float64 for sum(wf q) by division, float32 chunks of
+12-bit limbs for the multiply-by-reciprocal passes, float32 for sum(q^2)), so any order gives the
+same result.
 The MX kernel skips the second exponent candidate when it provably cannot win (see the comment
 in ``_mx_kernel``); the reference always evaluates both, and the tests check they agree.
 
@@ -28,7 +30,8 @@ import math
 import numpy as np
 from numba import njit
 
-from .numerics import BLOCK, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_FIX_BITS, INT4_GRID, INT4_MAX_ITERS
+from .numerics import (BLOCK, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_CHUNK, INT4_FIX_BITS, INT4_GRID, INT4_LIMB_BITS,
+                       INT4_MAX_ITERS)
 from . import numerics as _nm
 
 _E2M1 = E2M1_VALUES.copy()
@@ -85,91 +88,173 @@ def int8_kernel(w, q_out, s_out):
 # ------------------------------------------------------------------------------------------ int4
 
 
-@njit(cache=True, fastmath={"reassoc"})
-def _int4_pass(xf, wf, s):
-    """(sum(wf q), sum(q q)) for q = clip(rint(x / s), -8, 7): exact integer sums in float64."""
-    sxq = 0.0
-    sqq = np.float32(0.0)  # integer-valued, < 64 * 2^17 = 2^23: exact in float32 in any order
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _int4_chunk_div(x, wl, wh, s):
+    """As ``_int4_chunk_rcp`` with q = clip(rint(x / s), -8, 7) (the absmax candidate)."""
+    al = np.float32(0.0)
+    ah = np.float32(0.0)
+    aq = np.float32(0.0)
     lo = np.float32(-8.0)
     hi = np.float32(7.0)
-    for k in range(xf.shape[0]):
-        t = np.rint(xf[k] / s)
+    for k in range(x.shape[0]):
+        t = np.rint(x[k] / s)
         t = min(max(t, lo), hi)
-        sxq += wf[k] * np.float64(t)
-        sqq += t * t
-    return sxq, np.float64(sqq)
+        al += wl[k] * t
+        ah += wh[k] * t
+        aq += t * t
+    return al, ah, aq
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _int4_chunk_rcp(x, wl, wh, r):
+    """One chunk (<= INT4_CHUNK elements) of ``_int4_pass_rcp``: float32 sums, all exact integers.
+
+    |wl|, |wh| < 2^12 and |q| <= 8, so every product is < 2^15 and any partial sum of <= 512 of
+    them is < 2^24: exact in float32 whatever the order (vectorised, FMA-contracted).  The
+    multiply x * r must stay a multiply: r comes in as an argument, so LLVM cannot turn
+    x * (1 / s) back into x / s (it does that under ``reassoc`` when it sees the division).
+    """
+    al = np.float32(0.0)
+    ah = np.float32(0.0)
+    aq = np.float32(0.0)
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    for k in range(x.shape[0]):
+        t = np.rint(x[k] * r)
+        t = min(max(t, lo), hi)
+        al += wl[k] * t
+        ah += wh[k] * t
+        aq += t * t
+    return al, ah, aq
 
 
 @njit(cache=True)
-def _int4_row_scale(xf, wf, amax_bits, tmp, grid, max_iters):
-    """numerics.int4_search_scale for one row whose float32 values are in xf."""
+def _int4_pass(xf, wl, wh, sr, by_div, limb_scale, chunk):
+    """(sum(wf q), sum(q q)) with wf = wh * limb_scale + wl, exact in float64, for
+    q = clip(rint(x / sr), -8, 7) (by_div) or clip(rint(x * sr), -8, 7) (sr = float32(1/s))."""
     K = xf.shape[0]
+    sl = 0.0
+    sh = 0.0
+    sq = 0.0
+    for c in range(0, K, chunk):
+        e = min(c + chunk, K)
+        if by_div:
+            al, ah, aq = _int4_chunk_div(xf[c:e], wl[c:e], wh[c:e], sr)
+        else:
+            al, ah, aq = _int4_chunk_rcp(xf[c:e], wl[c:e], wh[c:e], sr)
+        sl += np.float64(al)
+        sh += np.float64(ah)
+        sq += np.float64(aq)
+    return sh * limb_scale + sl, sq
+
+
+@njit(cache=True)
+def _rcp_f32(s):
+    """numerics.int4_reciprocal for one scale: float32(1 / s), +inf on overflow (no fastmath here)."""
+    return np.float32(1.0) / s
+
+
+@njit(cache=True)
+def _int4_row_scale(xf, wl, wh, amax_bits, tmp, grid, max_iters, out_div):
+    """numerics.int4_search_scale for one row whose float32 values are in xf; out_div[0] = by_div."""
+    K = xf.shape[0]
+    out_div[0] = True
     if amax_bits == 0:
         return np.float32(1.0)
     amax = _bits_to_f32(amax_bits, tmp)
     _, e = math.frexp(np.float64(amax))
     k = INT4_FIX_BITS - e
-    p = math.ldexp(1.0, k)
     pinv = math.ldexp(1.0, -k)
+    # wf = trunc(x * 2^k) (< 2^24 in magnitude: exact in float32), split into two 12-bit limbs, all
+    # in float32 lanes.  2^k is applied in two exact power-of-two steps (each within float32 range);
+    # a step that lands in the subnormal range only does so for values whose trunc is 0 anyway.
+    p1 = np.float32(math.ldexp(1.0, k - k // 2))
+    p2 = np.float32(math.ldexp(1.0, k // 2))
+    limb = np.float32(1 << INT4_LIMB_BITS)
+    limb_inv = np.float32(1.0) / limb
+    # trunc via int32 conversion (|v| < 2^24; vectorises, unlike a truncf call)
     for i in range(K):
-        wf[i] = np.trunc(np.float64(xf[i]) * p)
+        v = np.float32(np.int32((xf[i] * p1) * p2))
+        h = np.float32(np.int32(v * limb_inv))
+        wh[i] = h
+        wl[i] = v - h * limb
     s0 = amax / np.float32(7.0)
     s = s0
     best = 0.0
     sxq = 0.0
     sqq = 0.0
+    div = True
     for g in range(grid.shape[0]):
         st = s0 * grid[g]
-        a, b = _int4_pass(xf, wf, st)
+        r = _rcp_f32(st)
+        dv = g == 0 or not np.isfinite(r)
+        a, b = _int4_pass(xf, wl, wh, st if dv else r, dv, np.float64(limb), INT4_CHUNK)
         a = a * pinv
         sd = np.float64(st)
         e_t = sd * sd * b - 2.0 * sd * a
         if g == 0 or e_t < best:
-            s, best, sxq, sqq = st, e_t, a, b
+            s, best, sxq, sqq, div = st, e_t, a, b, dv
     for _ in range(max_iters):
         if not sqq > 0.0:
             break
         s_new = np.float32(sxq / sqq)
         if not (s_new > 0) or s_new == s:
             break
-        a, b = _int4_pass(xf, wf, s_new)
+        r = _rcp_f32(s_new)
+        dv = not np.isfinite(r)
+        a, b = _int4_pass(xf, wl, wh, s_new if dv else r, dv, np.float64(limb), INT4_CHUNK)
         a = a * pinv
         sd = np.float64(s_new)
         e_new = sd * sd * b - 2.0 * sd * a
         if not e_new < best:
             break
-        s, best, sxq, sqq = s_new, e_new, a, b
+        s, best, sxq, sqq, div = s_new, e_new, a, b, dv
+    out_div[0] = div
     return s
 
 
-@njit(cache=True)
-def _int4_row_final(xf, s, qrow, chunks, qsum):
-    """Codes of one row into qrow (int8) and their sums over ``chunks`` contiguous K chunks."""
-    K = xf.shape[0]
+@njit(cache=True, fastmath={"reassoc"})
+def _int4_codes_chunk(x, sr, by_div, qrow):
+    """Codes of x into qrow (int8), q = clip(rint(x / sr)) or clip(rint(x * sr)); returns sum(q).
+
+    The sum is of integers, |sum| <= 8 * K < 2^24: exact in float32 in any order."""
     lo = np.float32(-8.0)
     hi = np.float32(7.0)
-    for k in range(K):
-        t = np.rint(xf[k] / s)
-        qrow[k] = np.int8(min(max(t, lo), hi))
-    L = K // chunks
-    for c in range(chunks):
-        acc = np.int32(0)
-        for k in range(c * L, (c + 1) * L):
-            acc += np.int32(qrow[k])
-        qsum[c] = acc
+    acc = np.float32(0.0)
+    if by_div:
+        for k in range(x.shape[0]):
+            t = min(max(np.rint(x[k] / sr), lo), hi)
+            qrow[k] = np.int8(t)
+            acc += t
+    else:
+        for k in range(x.shape[0]):
+            t = min(max(np.rint(x[k] * sr), lo), hi)
+            qrow[k] = np.int8(t)
+            acc += t
+    return acc
 
 
 @njit(cache=True)
-def _int4_row(w, n, xu, wf, qrow, qsum, tmp, s_out, bias_out, grid, max_iters):
+def _int4_row_final(xf, s, by_div, qrow, chunks, qsum):
+    """Codes of one row into qrow (int8) and their sums over ``chunks`` contiguous K chunks."""
+    K = xf.shape[0]
+    sr = s if by_div else _rcp_f32(s)
+    L = K // chunks
+    for c in range(chunks):
+        qsum[c] = np.int64(_int4_codes_chunk(xf[c * L:(c + 1) * L], sr, by_div, qrow[c * L:(c + 1) * L]))
+
+
+@njit(cache=True)
+def _int4_row(w, n, xu, wl, wh, qrow, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters):
     """Search the scale of row n, write its scale and scale_bias, leave its codes in qrow; -1 or n if non-finite."""
     m = _row_to_f32(w, n, xu)
     if m >= 0x7F80:
         return n
     xf = xu.view(np.float32)
-    s = _int4_row_scale(xf, wf, m, tmp, grid, max_iters)
+    s = _int4_row_scale(xf, wl, wh, m, tmp, grid, max_iters, bdiv)
     s_out[n, 0] = s
     chunks = qsum.shape[0]
-    _int4_row_final(xf, s, qrow, chunks, qsum)
+    _int4_row_final(xf, s, bdiv[0], qrow, chunks, qsum)
     sd = np.float64(s)
     for c in range(chunks):
         bias_out[n, c] = np.float32(8.0 * np.float64(qsum[c]) * sd)
@@ -183,16 +268,18 @@ def int4_kernel(w, packed_out, s_out, bias_out, grid, max_iters):
     grid / max_iters: numerics.INT4_GRID / INT4_MAX_ITERS (passed in so they stay data)."""
     N, K = w.shape
     xu = np.empty(K, dtype=np.uint32)
-    wf = np.empty(K, dtype=np.float64)
+    wl = np.empty(K, dtype=np.float32)
+    wh = np.empty(K, dtype=np.float32)
+    bdiv = np.empty(1, dtype=np.bool_)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
     qsum = np.empty(bias_out.shape[1], dtype=np.int64)
     tmp = np.empty(1, dtype=np.uint32)
     for j in range(N // 2):
-        bad = _int4_row(w, 2 * j, xu, wf, q0, qsum, tmp, s_out, bias_out, grid, max_iters)
+        bad = _int4_row(w, 2 * j, xu, wl, wh, q0, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters)
         if bad >= 0:
             return bad
-        bad = _int4_row(w, 2 * j + 1, xu, wf, q1, qsum, tmp, s_out, bias_out, grid, max_iters)
+        bad = _int4_row(w, 2 * j + 1, xu, wl, wh, q1, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters)
         if bad >= 0:
             return bad
         for k in range(K):

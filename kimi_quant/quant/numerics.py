@@ -24,13 +24,20 @@ import numpy as np
 
 BLOCK = 32
 
-#: W4A8_DYNAMIC scale grid, as fractions of the absmax scale amax / 7 (first entry must be 1)
-INT4_GRID = np.linspace(1.0, 0.25, 10).astype(np.float32)
+#: W4A8_DYNAMIC scale grid, as fractions of the absmax scale amax / 7 (first entry must be 1).
+#: Five points (was linspace(1, 0.25, 10)): the refit polishes the winner, so the coarser grid costs
+#: ~0.5-1% of squared error (scripts/bench_codecs.py) for half the grid passes.
+INT4_GRID = np.array([1.0, 0.8, 0.65, 0.5, 0.35], dtype=np.float32)
 #: least-squares refit iterations for W4A8_DYNAMIC (early exit when the scale stops changing or
 #: the error stops decreasing)
 INT4_MAX_ITERS = 6
-#: fixed-point precision (bits below the row's top bit) of the exact ``sum(w*q)`` accumulator
-INT4_FIX_BITS = 32
+#: fixed-point precision (bits below the row's top bit) of the exact ``sum(w*q)`` accumulator.
+#: 24 bits = two 12-bit limbs, which lets the kernel sum exactly in float32 lanes (chunks of
+#: INT4_CHUNK elements: |limb * q| < 2^15, 512 of them < 2^24).  Only |w| below ~2^-16 amax lose
+#: bits, and those quantize to 0 at every candidate scale.
+INT4_FIX_BITS = 24
+INT4_LIMB_BITS = 12
+INT4_CHUNK = 512
 #: largest K for which the int4 accumulator is provably exact (see ``_int4_fixed_point``)
 INT4_MAX_K = 1 << 17
 
@@ -88,17 +95,38 @@ def int8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def int4_codes(w: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """q = clip(rint(w / s), -8, 7) as float32 (w float32 [N, K], s float32 [N])."""
+    """q = clip(rint(w / s), -8, 7) as float32 (w float32 [N, K], s float32 [N]): the absmax rule's codes."""
     return np.clip(np.rint(w / s[:, None]), np.float32(-8.0), np.float32(7.0))
+
+
+def int4_reciprocal(s: np.ndarray) -> np.ndarray:
+    """float32(1 / s) (float32 division); +inf where it overflows (s below ~2^-128)."""
+    with np.errstate(divide="ignore", over="ignore"):
+        return (np.float32(1.0) / s.astype(np.float32)).astype(np.float32)
+
+
+def int4_codes_by(w: np.ndarray, s: np.ndarray, by_div: np.ndarray) -> np.ndarray:
+    """Codes of candidate scale s per row: clip(rint(w * float32(1/s)), -8, 7) (a float32 multiply,
+    much cheaper than a division in the kernel), or clip(rint(w / s), -8, 7) where ``by_div``.
+
+    The absmax candidate s0 is always evaluated by division (its codes are exactly the naive rule's,
+    which keeps the "never worse than absmax round-to-nearest" guarantee exact), and so is any
+    candidate whose reciprocal overflows float32 (its products would be inf/NaN).
+    """
+    r = int4_reciprocal(s)
+    with np.errstate(invalid="ignore", over="ignore"):
+        qm = np.clip(np.rint(w * np.where(by_div, np.float32(1.0), r)[:, None]), np.float32(-8.0), np.float32(7.0))
+    return np.where(by_div[:, None], int4_codes(w, s), qm)
 
 
 def _int4_fixed_point(w: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Fixed-point copy of w used for the exact accumulator of sum(w*q).
 
-    wf = trunc(w * 2^k) with k = INT4_FIX_BITS - ceil-ish exponent of amax, so |wf| < 2^32.  Then
-    |wf*q| < 2^35 and a row sum of K < 2^17 terms stays below 2^52: every partial sum is an exact
-    float64 integer, so the sum does not depend on summation order (the kernel may vectorise it).
-    Only values below 2^-32 * amax lose bits, and those quantize to 0 at any sane scale.
+    wf = trunc(w * 2^k) with k = INT4_FIX_BITS - (exponent of amax), so |wf| < 2^24.  Then
+    |wf*q| < 2^27 and a row sum of K < 2^17 terms stays below 2^44: every partial sum is an exact
+    float64 integer, so the sum does not depend on summation order (the kernel splits wf into two
+    12-bit limbs and sums them exactly in float32 chunks).  Only values below 2^-24 * amax
+    lose bits (bf16 values below ~2^-16 * amax), and those quantize to 0 at any sane scale.
     """
     e = np.frexp(amax)[1].astype(np.int64)  # amax < 2^e
     k = np.where(amax > 0, INT4_FIX_BITS - e, 0)
@@ -106,13 +134,13 @@ def _int4_fixed_point(w: np.ndarray, amax: np.ndarray) -> tuple[np.ndarray, np.n
     return wf, k
 
 
-def int4_stats(w, wf, k, s):
-    """(sum(w q), sum(q q)) per row for scale s, in float64.
+def int4_stats(w, wf, k, s, by_div):
+    """(sum(w q), sum(q q)) per row for scale s (codes per ``int4_codes_by``), in float64.
 
     sum(w q) is 2^-k * sum(wf q), an exact float64 integer sum (see ``_int4_fixed_point``)
     scaled exactly by a power of two; sum(q q) is an exact integer.
     """
-    q = int4_codes(w, s).astype(np.float64)
+    q = int4_codes_by(w, s, by_div).astype(np.float64)
     return np.ldexp((wf * q).sum(axis=1), -k), (q * q).sum(axis=1)
 
 
@@ -122,35 +150,41 @@ def int4_objective(s, sxq, sqq):
     return s * s * sqq - 2.0 * s * sxq
 
 
-def int4_search_scale(w: np.ndarray) -> np.ndarray:
+def int4_search_scale(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-row int4 scale: the best of a small grid below absmax, then a least-squares refit.
 
+    Returns (s float32 [N], by_div bool [N]): the scale, and whether its codes are computed by
+    division (see ``int4_codes_by``; the final codes must be computed the same way).
+
     1. Grid: s_i = float32(s0 * INT4_GRID[i]) with s0 = float32(amax / 7) and INT4_GRID[0] = 1,
-       so the absmax round-to-nearest scale is always a candidate; keep the first one with the
-       smallest squared error (ties keep the earlier, larger scale).
-    2. Refit ("ssz"-style, per row): q = clip(rint(w / s), -8, 7); s' = float32(sum(w q) / sum(q q)).
+       so the absmax round-to-nearest scale (evaluated by division) is always a candidate; keep the
+       first one with the smallest squared error (ties keep the earlier, larger scale).
+    2. Refit ("ssz"-style, per row): q = codes(s); s' = float32(sum(w q) / sum(q q)).
        Stop when s' == s, or when s' does not strictly lower the row's squared error (s is kept),
        after at most INT4_MAX_ITERS refits.
-    Every accepted step lowers the squared error, so the result is never worse than absmax
-    round-to-nearest. The error is compared as s^2 sum(q^2) - 2 s sum(w q) (the row's sum(w^2)
-    is common to all candidates).  All-zero rows get s = 1.0.
+    Candidates other than s0 use codes rint(w * float32(1/s)) (``int4_codes_by``).  Every accepted
+    step lowers the squared error of the codes actually written, so the result is never worse than
+    absmax round-to-nearest. The error is compared as s^2 sum(q^2) - 2 s sum(w q) (the row's
+    sum(w^2) is common to all candidates).  All-zero rows get s = 1.0.
     """
     amax = np.abs(w).max(axis=1)
     nz = amax > 0
     s0 = np.where(nz, amax / np.float32(7.0), np.float32(1.0)).astype(np.float32)
     wf, k = _int4_fixed_point(w, amax)
-    s, best_e, sxq, sqq = None, None, None, None
+    s, best_e, sxq, sqq, div = None, None, None, None, None
     for f in INT4_GRID:
         s_try = (s0 * f).astype(np.float32)
-        sxq_t, sqq_t = int4_stats(w, wf, k, s_try)
+        div_t = np.full(s_try.shape, s is None) | ~np.isfinite(int4_reciprocal(s_try))
+        sxq_t, sqq_t = int4_stats(w, wf, k, s_try, div_t)
         e_t = int4_objective(s_try, sxq_t, sqq_t)
         if s is None:
-            s, best_e, sxq, sqq = s_try, e_t, sxq_t, sqq_t
+            s, best_e, sxq, sqq, div = s_try, e_t, sxq_t, sqq_t, div_t
             continue
         better = nz & (e_t < best_e)
         s = np.where(better, s_try, s)
         sxq = np.where(better, sxq_t, sxq)
         sqq = np.where(better, sqq_t, sqq)
+        div = np.where(better, div_t, div)
         best_e = np.where(better, e_t, best_e)
     active = nz.copy()
     for _ in range(INT4_MAX_ITERS):
@@ -160,21 +194,23 @@ def int4_search_scale(w: np.ndarray) -> np.ndarray:
         if not active.any():
             break
         s_try = np.where(active, s_new, s)
-        sxq_new, sqq_new = int4_stats(w, wf, k, s_try)
+        div_t = np.where(active, ~np.isfinite(int4_reciprocal(s_try)), div)
+        sxq_new, sqq_new = int4_stats(w, wf, k, s_try, div_t)
         e_new = int4_objective(s_try, sxq_new, sqq_new)
         active &= e_new < best_e
         s = np.where(active, s_try, s)
         sxq = np.where(active, sxq_new, sxq)
         sqq = np.where(active, sqq_new, sqq)
+        div = np.where(active, div_t, div)
         best_e = np.where(active, e_new, best_e)
-    return s
+    return s, div
 
 
 def int4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """-> (q int8 [N, K] in [-8, 7], s float32 [N])."""
     check_finite(w)
-    s = int4_search_scale(w)
-    return int4_codes(w, s).astype(np.int8), s
+    s, by_div = int4_search_scale(w)
+    return int4_codes_by(w, s, by_div).astype(np.int8), s
 
 
 def int4_absmax_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
