@@ -488,7 +488,14 @@ def mxfp8_kernel(w, codes_out, scale_out):
 
 def warmup() -> None:
     """Compile (or load from the numba cache) every kernel on a tiny input."""
-    w = np.zeros((2, 32), dtype=np.uint16)
+    w0 = np.zeros((2, 32), dtype=np.uint16)
+    w1 = w0.copy()
+    w1.setflags(write=False)  # the converter passes read-only mmap views: a separate numba signature
+    for w in (w0, w1):
+        _warm(w)
+
+
+def _warm(w) -> None:
     int8_kernel(w, np.empty((2, 32), np.int8), np.empty((2, 1), np.float32))
     for chunks in (1, 16):
         int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, chunks), np.float32),
