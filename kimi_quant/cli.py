@@ -207,11 +207,13 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
 
 
 def _validate_after(source, out_dir, max_ppl_increase, quiet):
-    from .validate.run import run_validation
-    from .layout.ascend_v1 import VALIDATION, PROVENANCE
+    from .layout.ascend_v1 import PROVENANCE, VALIDATION
+    from .validate.run import format_table, run_validation
     from .write import write_json_atomic
 
-    report = run_validation(source, out_dir, json_path=str(Path(out_dir) / VALIDATION), progress=not quiet)
+    report = run_validation(source, out_dir, json_path=str(Path(out_dir) / VALIDATION), progress=False)
+    if not quiet:
+        click.echo(format_table(report))
     increase = (report["ratio"] - 1) * 100
     passed = max_ppl_increase is None or increase <= max_ppl_increase
     prov_path = Path(out_dir) / PROVENANCE
