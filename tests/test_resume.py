@@ -281,3 +281,51 @@ def test_a_foreign_directory_is_refused(mid_source, tmp_path):
     assert r.returncode != 0
     assert "--overwrite" in error_line(r.stderr)
     assert sorted(os.listdir(out)) == ["important.bin"]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        return []
+    return [int(x) for x in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_driver_killed_alone(mid_source, clean, tmp_path):
+    """Only the driver dies (OOM killer): its worker processes must not corrupt the resumed run."""
+    out = tmp_path / "out"
+    p = popen(convert_args(mid_source, out))
+    while p.poll() is None and unit_lines(out) < 3:
+        time.sleep(0.005)
+    if p.poll() is not None:
+        pytest.skip("finished before the kill")
+    kids = _children(p.pid)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()  # not communicate(): the orphaned workers still hold the output pipes open
+    p.stdout.close()
+    p.stderr.close()
+    n = unit_lines(out)
+    try:
+        written, kept = summary_counts(kq(*convert_args(mid_source, out)).stdout)
+        assert written + kept == clean["units"] and kept >= n
+        assert snapshot(out) == clean["snap"]
+        verify(out)
+        deadline = time.time() + 5
+        while time.time() < deadline and any(_alive(k) for k in kids):
+            time.sleep(0.1)
+        leaked = [k for k in kids if _alive(k)]
+    finally:
+        for k in kids:  # the workers this test started, by pid
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+    if leaked:
+        pytest.xfail(f"{len(leaked)} worker/tracker processes outlive a SIGKILLed driver (executor/local.py: "
+                     "pool workers wait forever on their call queue)")
