@@ -329,3 +329,20 @@ def test_driver_killed_alone(mid_source, clean, tmp_path):
     if leaked:
         pytest.xfail(f"{len(leaked)} worker/tracker processes outlive a SIGKILLed driver (executor/local.py: "
                      "pool workers wait forever on their call queue)")
+
+
+def test_ctrl_c_is_one_line_and_resumes(mid_source, clean, tmp_path):
+    out = tmp_path / "out"
+    p = popen(convert_args(mid_source, out))
+    while p.poll() is None and unit_lines(out) < 3:
+        time.sleep(0.005)
+    if p.poll() is not None:
+        pytest.skip("finished before the interrupt")
+    os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("convert ")]
+    assert lines == ["kimi-quant: interrupted; re-run the same command to resume"], err
+    assert_not_loadable(out)
+    resume_and_compare(mid_source, out, clean, unit_lines(out))
