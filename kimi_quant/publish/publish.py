@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KimiQuantError
+from ..source.hub import retry_after
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +371,7 @@ def _attempt(fn, repo_id: str, what: str):
             raise PublishError(f"{repo_id}: repo not found or not accessible while trying to {what}: check the "
                                "repo id and HF_TOKEN") from None
         if status in TRANSIENT_STATUS:
-            raise _Transient(f"HTTP {status}: {_first_line(e)}", _retry_after(e.response)) from None
+            raise _Transient(f"HTTP {status}: {_first_line(e)}", retry_after(e.response)) from None
         raise PublishError(f"{repo_id}: {what} failed: HTTP {status}: {_first_line(e)}") from None
     except (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError) as e:
         raise _Transient(f"{type(e).__name__}: {e}") from None
@@ -414,11 +415,3 @@ def _first_line(e: BaseException | None) -> str:
     if cause is not e:
         text += f" ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
     return text
-
-
-def _retry_after(response) -> float | None:
-    try:
-        v = response.headers.get("Retry-After")
-        return float(v) if v is not None else None
-    except (AttributeError, ValueError):
-        return None

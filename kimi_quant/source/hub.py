@@ -144,24 +144,12 @@ class HubSource(Source):
 
     def _call(self, fn, what: str):
         """Run a metadata call with retries on transient failures; map errors to one line."""
-        import httpx2
         from huggingface_hub import errors as hfe
 
-        for attempt in range(self.retries):
-            try:
-                return fn()
-            except hfe.HfHubHTTPError as e:
-                status = getattr(e.response, "status_code", None)
-                if status in (429, 500, 502, 503, 504) and attempt + 1 < self.retries:
-                    self._sleep(attempt, _retry_after(e.response))
-                    continue
-                raise self._hub_error(e, what) from None
-            except (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError) as e:
-                if attempt + 1 < self.retries:
-                    self._sleep(attempt)
-                    continue
-                raise HubError(f"{self.repo_id}: cannot reach {self.endpoint} ({type(e).__name__}: {e})") from None
-        raise AssertionError("unreachable")
+        try:
+            return self._call_raw(fn, what)
+        except hfe.HfHubHTTPError as e:
+            raise self._hub_error(e, what) from None
 
     def _resolve(self, revision: str) -> str:
         from huggingface_hub import errors as hfe
@@ -197,7 +185,7 @@ class HubSource(Source):
             except hfe.HfHubHTTPError as e:
                 status = getattr(e.response, "status_code", None)
                 if status in (429, 500, 502, 503, 504) and attempt + 1 < self.retries:
-                    self._sleep(attempt, _retry_after(e.response))
+                    self._sleep(attempt, retry_after(e.response))
                     continue
                 raise
             except (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError) as e:
@@ -349,7 +337,7 @@ class HubSource(Source):
         if s == 416:
             raise _Transient("range not satisfiable (HTTP 416)")
         if s == 429 or s >= 500:
-            raise _Transient(f"HTTP {s}", _retry_after(r))
+            raise _Transient(f"HTTP {s}", retry_after(r))
         raise HubError(f"{self._label(name)}: unexpected HTTP {s} from {self.endpoint}")
 
     def _sleep(self, attempt: int, retry_after: float | None = None) -> None:
@@ -654,7 +642,8 @@ class HubSource(Source):
         self._threads = []
 
 
-def _retry_after(response) -> float | None:
+def retry_after(response) -> float | None:
+    """Seconds from a Retry-After header, when a server sent one."""
     try:
         v = response.headers.get("Retry-After")
         return float(v) if v is not None else None
