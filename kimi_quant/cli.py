@@ -240,19 +240,21 @@ def verify(output, no_rehash):
 
 # -- synth -------------------------------------------------------------------------------------
 @main.command()
-@click.option("--preset", type=click.Choice(["tiny", "bench"]), default="tiny", show_default=True,
-              help="tiny: the trained 1.7M-parameter K3.1-shaped model; bench: GB-sized, real expert shapes.")
+@click.option("--preset", type=click.Choice(["tiny", "bench", "full"]), default="tiny", show_default=True,
+              help="tiny: the trained 1.7M-parameter K3.1-shaped model; bench: GB-sized, real expert shapes; "
+                   "full: the real 2.8T K3.1 Pro inventory, headers only (implies --sparse).")
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
 @click.option("--num-experts", type=int, help="Experts per MoE layer (scales the checkpoint size).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--random-weights", is_flag=True, help="tiny: seeded random weights instead of the trained fixture.")
-@click.option("--shard-size", type=Size(), default="512MiB", show_default=True, help="bench: source shard size.")
-def synth(preset, output, num_experts, seed, random_weights, shard_size):
+@click.option("--shard-size", type=Size(), default="512MiB", show_default=True, help="bench/full: source shard size.")
+@click.option("--sparse", is_flag=True, help="Headers only, data left as holes: for `plan` without the bytes.")
+def synth(preset, output, num_experts, seed, random_weights, shard_size, sparse):
     """Write a K3.1-shaped BF16 checkpoint with the real tensor names (for tests, demos, benchmarks)."""
     from .model.synth import synth as run_synth
 
     out = run_synth(preset, output, seed=seed, num_experts=num_experts, shard_size=shard_size,
-                    random_weights=random_weights, progress=True)
+                    random_weights=random_weights, progress=True, sparse=sparse)
     click.echo(f"wrote {out}")
 
 

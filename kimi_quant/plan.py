@@ -161,9 +161,12 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
     tensors: list[TensorPlan] = []
     groups: dict[str, set[str]] = defaultdict(set)
     group_example: dict[tuple[str, str], str] = {}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name, file in weight_map.items():
+        by_file[file].append(name)
     for file in files:
         header = source.header(file)
-        in_index = [n for n, f in weight_map.items() if f == file]
+        in_index = by_file[file]
         for name in in_index:
             if name not in header:
                 raise BadCheckpoint(f"{source.id}/{file}: tensor {name!r} is named in the index but absent from this shard")

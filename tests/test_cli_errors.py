@@ -70,8 +70,6 @@ def test_source_without_config(tiny_source, tmp_path):
     assert "config.json" in line
 
 
-@pytest.mark.xfail(reason="open_source treats a missing local path as a hub repo id: HFValidationError / "
-                          "AttributeError traceback from HubSource (source/__init__.py, source/hub.py)", strict=False)
 @pytest.mark.parametrize("spec", ["./no-such-dir", "/tmp/kq-no-such-dir/x"])
 def test_mistyped_local_path(tmp_path, spec):
     line = refused(tmp_path, "convert", spec, "-t", "a3", "-o", tmp_path / "out")

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Callable
 
@@ -23,6 +24,15 @@ def _init_worker(q) -> None:
     global _progress_queue
     _progress_queue = q
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose driver died (SIGKILL, OOM killer) exits instead of idling forever; its
+    unfinished shard stays a .partial that the resumed run removes."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _run_unit(unit: dict, paths: dict[str, str], out_dir: str) -> dict:

@@ -93,6 +93,42 @@ _BENCH_OVERRIDES: dict[str, Any] = {
 }
 
 
+# Kimi K3.1 Pro at full size (architecture.md): only for header-only ("sparse") checkpoints that
+# exercise planning on the real tensor inventory (~2.8T parameters) without the data.
+_FULL_OVERRIDES: dict[str, Any] = {
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "num_hidden_layers": 93,
+    "intermediate_size": 33792,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 96,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "num_experts": 896,
+    "num_experts_per_token": 16,
+    "num_shared_experts": 2,
+    "moe_intermediate_size": 3072,
+    "routed_expert_hidden_size": 3584,
+    "attn_res_block_size": 12,
+    "max_position_embeddings": 1048576,
+    "linear_attn_config": {
+        "num_heads": 96,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+        "full_attn_layers": [*range(4, 93, 4), 93],
+        "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93],
+    },
+}
+
+
 def _wrap(text: dict[str, Any]) -> dict[str, Any]:
     return {
         "model_type": "kimi_k3",
@@ -108,11 +144,13 @@ def preset_config(name: str, num_experts: int | None = None) -> dict[str, Any]:
     text = copy.deepcopy(_TINY_TEXT)
     if name == "bench":
         text.update(copy.deepcopy(_BENCH_OVERRIDES))
+    elif name == "full":
+        text.update(copy.deepcopy(_FULL_OVERRIDES))
     elif name != "tiny":
-        raise ValueError(f"unknown preset {name!r} (tiny, bench)")
+        raise ValueError(f"unknown preset {name!r} (tiny, bench, full)")
     if num_experts:
         text["num_experts"] = int(num_experts)
     return _wrap(text)
 
 
-PRESETS = ("tiny", "bench")
+PRESETS = ("tiny", "bench", "full")

@@ -20,6 +20,7 @@ import numpy as np
 from ..dtypes import STORAGE, f32_to_bf16
 from ..source.safetensors import SafetensorsReader
 from ..write import ShardWriter, write_json_atomic
+from ..write.safetensors_writer import encode_header
 from .presets import preset_config
 from .spec import spec_from_config
 
@@ -65,13 +66,38 @@ def _assign_shards(tensors: dict[str, tuple[tuple[int, ...], str]], shard_size: 
     return out
 
 
+def _write_sparse(out: Path, tensors, shards: list[list[str]]) -> dict[str, str]:
+    """Shards with real headers and sparse (all-zero, no disk) data: plan-only stand-ins for huge models."""
+    weight_map = {}
+    n = len(shards)
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        header = encode_header([(nm, tensors[nm][1], tensors[nm][0]) for nm in names])
+        size = len(header) + sum(math.prod(tensors[nm][0]) * STORAGE[tensors[nm][1]].itemsize for nm in names)
+        with open(out / file, "wb") as f:
+            f.write(header)
+            f.truncate(size)
+        weight_map.update((nm, file) for nm in names)
+    return weight_map
+
+
 def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | None = None,
-          shard_size: int = 512 * 1024**2, random_weights: bool = False, progress: bool = False) -> Path:
-    """Write preset ``tiny`` or ``bench`` to ``output``; returns the directory."""
+          shard_size: int = 512 * 1024**2, random_weights: bool = False, progress: bool = False,
+          sparse: bool = False) -> Path:
+    """Write preset ``tiny``, ``bench`` or (``sparse`` only) ``full`` to ``output``; returns the directory.
+
+    ``sparse``: headers only, tensor bytes left as holes (zeros) -- for ``plan`` on the real 2.8T inventory.
+    """
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     config = preset_config(preset, num_experts=num_experts)
     tensors = spec_from_config(config).expected_tensors()
+    if sparse or preset == "full":
+        weight_map = _write_sparse(out, tensors, _assign_shards(tensors, shard_size, scatter=0))
+        total = sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values())
+        write_json_atomic(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json_atomic(out / "config.json", config)
+        return out
     fixture = None if (random_weights or num_experts) else fixture_dir(preset)
     reader = SafetensorsReader(fixture / "model.safetensors") if fixture else None
     shards = _assign_shards(tensors, shard_size, scatter=4 if preset == "tiny" else 0)

@@ -37,20 +37,22 @@ class Recipe:
     roles: dict[str, str]
     rules: tuple[Rule, ...] = ()
     text: str = field(default="", repr=False)  # the TOML it came from (recorded in provenance)
+    _by_role: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # role -> scheme cache
 
     def scheme_for(self, name: str, role: str) -> str:
-        scheme = self.default
-        exact = self.roles.get(role)
-        if exact is not None:
-            scheme = exact
-        else:
-            globbed = [(len(p), s) for p, s in self.roles.items() if fnmatch.fnmatchcase(role, p)]
-            if globbed:
-                scheme = max(globbed)[1]
+        scheme = self.role_scheme(role)
         for rule in self.rules:
             if rule.matches(name):
                 scheme = rule.scheme
         return scheme
+
+    def role_scheme(self, role: str) -> str:
+        """The scheme roles alone give (an exact role entry beats the longest matching glob)."""
+        if role not in self._by_role:
+            exact = self.roles.get(role)
+            globbed = [(len(p), s) for p, s in self.roles.items() if fnmatch.fnmatchcase(role, p)]
+            self._by_role[role] = exact if exact is not None else (max(globbed)[1] if globbed else self.default)
+        return self._by_role[role]
 
     def with_overrides(self, overrides: list[str]) -> "Recipe":
         rules = list(self.rules)

@@ -99,6 +99,7 @@ class HubSource(Source):
         self.retries = max(1, int(retries))
         self.backoff = backoff
         self.requested_revision = revision or "main"
+        self._stop = threading.Event()  # before _resolve: its retries sleep on it
         self.revision = self._resolve(self.requested_revision)
         self._files: dict[str, FileEntry] | None = None
         self._headers: dict[str, dict[str, TensorInfo]] = {}
@@ -114,7 +115,6 @@ class HubSource(Source):
         self.downloaded_bytes = 0  # bytes actually transferred in this process
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self._stop = threading.Event()
 
     # -- resolution and listing -------------------------------------------------------------
     def _label(self, name: str | None = None) -> str:
