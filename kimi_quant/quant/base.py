@@ -19,6 +19,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..dtypes import bf16_to_f32
+from ..errors import RecipeError
 
 Spec = dict[str, tuple[str, tuple[int, ...]]]
 
@@ -104,8 +105,6 @@ def dequantize_prefixed(scheme: str, tensors: dict[str, np.ndarray], prefix: str
 
 
 def get_codec(name: str) -> Codec:
-    from ..errors import RecipeError
-
     try:
         return REGISTRY[name]
     except KeyError:
