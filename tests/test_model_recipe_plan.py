@@ -150,3 +150,17 @@ def test_mx_needs_k_divisible_by_32(tmp_path):
     src = LocalSource(d)
     with pytest.raises(RecipeError, match="divisible by 32"):
         _plan(src, "950dt", ["vision_tower.patch_embed.proj=W8A8_MXFP8"])  # K = 3*14*14 = 588
+
+
+def test_full_size_k31_inventory_plans_from_headers_only(tmp_path):
+    """The real 2.8T inventory (1,100+ header-only shards, holes for data): planned, sized, nothing read."""
+    from kimi_quant.convert import build_plan
+
+    synth("full", tmp_path, shard_size=5 * 10**9, sparse=True)
+    src = LocalSource(tmp_path)
+    assert len(src.weight_map()) == 249876 + 4 and len({f for f in src.weight_map().values()}) > 1000
+    p = build_plan(src, "950dt")
+    assert 5.5e12 < p.in_bytes < 5.6e12  # ~5.56 TB of BF16
+    counts = p.scheme_counts()
+    assert counts["W4A8_MXFP"] == 92 * (896 * 3 + 3)  # routed + shared experts of the 92 MoE layers
+    assert 0.25 < p.out_bytes / p.in_bytes < 0.30
