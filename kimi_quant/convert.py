@@ -106,17 +106,28 @@ def _clear_output(out_dir: Path) -> None:
 def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
-    source = open_source(source_spec, revision=opts.revision, **opts.source_options)
+    # Local workers start now and load the kernels while the driver plans; Ray starts once the plan is sound.
+    executor = make_executor("local", opts.workers, None, prestart=True) if opts.executor == "local" else None
+    source = None
+    ok = False
     try:
+        source = open_source(source_spec, revision=opts.revision, **opts.source_options)
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
         out_dir = Path(opts.output).resolve()
         journal = prepare_output(out_dir, plan, opts.overwrite)
-        return _run(source, plan, out_dir, journal, opts, t0)
+        executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)
+        result = _run(source, plan, out_dir, journal, opts, t0, executor)
+        ok = True
+        return result
     finally:
-        source.close()
+        if executor is not None:
+            executor.shutdown(abort=not ok)
+        if source is not None:
+            source.close()
 
 
-def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float) -> ConvertResult:
+def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,
+         executor) -> ConvertResult:
     expected = {u.file for u in plan.units}
     done = journal.verified_units(out_dir, expected)
     todo = [u for u in plan.units if u.file not in done]
@@ -133,7 +144,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     total = sum(u.in_bytes for u in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
-    executor = make_executor(opts.executor, opts.workers, bar.update, **opts.executor_options)
+    executor.on_progress = bar.update
     users = Counter(f for u in todo for f in u.needs)
     source.prefetch([f for f in plan.source_order() if users[f]])
     pending = deque(todo)
@@ -164,7 +175,8 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                         source.release(f)
         ok = True
     finally:
-        executor.shutdown(abort=not ok)
+        if not ok:
+            executor.shutdown(abort=True)
         bar.close()
     for f in sorted(unhashed):  # shards whose units were all done by an earlier run
         journal.record_input(f, sha256_file(source.fetch(f)), entries[f].stamp)

@@ -35,13 +35,20 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
+def _warm_worker() -> None:
+    from ..quant import warmup
+
+    warmup()
+
+
 def _run_unit(unit: dict, paths: dict[str, str], out_dir: str) -> dict:
     q = _progress_queue
     return convert_unit(unit, paths, out_dir, progress=(q.put if q is not None else None))
 
 
 class LocalExecutor:
-    def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None):
+    def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,
+                 prestart: bool = False):
         self.workers = max(1, int(workers or os.cpu_count() or 1))
         self.on_progress = on_progress or (lambda n: None)
         self.slots = self.workers
@@ -57,6 +64,9 @@ class LocalExecutor:
             self._stop = threading.Event()
             self._drain = threading.Thread(target=self._drain_progress, daemon=True)
             self._drain.start()
+            if prestart:  # spawn every worker now; each imports and loads the kernels in parallel
+                for _ in range(self.workers):
+                    self._pool.submit(_warm_worker)
 
     def _drain_progress(self) -> None:
         while not self._stop.is_set():
@@ -78,7 +88,7 @@ class LocalExecutor:
         return fut
 
     def shutdown(self, abort: bool = False) -> None:
-        if self._pool is None:
+        if self._pool is None or self._stop.is_set():
             return
         if abort:
             for p in list(getattr(self._pool, "_processes", {}).values()):
@@ -93,9 +103,9 @@ class LocalExecutor:
                 break
 
 
-def make_executor(kind: str, workers: int | None, on_progress, **options):
+def make_executor(kind: str, workers: int | None, on_progress, prestart: bool = False, **options):
     if kind == "local":
-        return LocalExecutor(workers, on_progress)
+        return LocalExecutor(workers, on_progress, prestart=prestart)
     if kind == "ray":
         from .ray_executor import RayExecutor  # optional extra: pip install kimi-quant[ray]
 
