@@ -12,6 +12,40 @@ from .numerics import BLOCK
 
 
 class _MX(Codec):
+    """Shared by both MX schemes: codes + E8M0 scales per 32 along K; subclasses name the element type."""
+
+    elem: str  # numerics.MX_ELEMENTS key
+
+    @staticmethod
+    def _pack(code: np.ndarray) -> np.ndarray:
+        return code
+
+    @staticmethod
+    def _values(weight: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    @staticmethod
+    def _kernel(w, weight_out, scale_out) -> int:
+        raise NotImplementedError
+
+    def quantize(self, w, matmul=None):
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        self.require(w.shape, matmul)
+        code, scale = nm.mx_quantize(w, self.elem)
+        return {"weight": self._pack(code), "weight_scale": scale}
+
+    def quantize_bf16(self, w_u16, matmul=None, out=None):
+        w = _u16(w_u16)
+        res = self.alloc(w.shape, matmul, out)
+        bad = self._kernel(w, res["weight"], res["weight_scale"])
+        if bad >= 0:
+            _raise_nonfinite(w, bad)
+        return res
+
+    def dequantize(self, tensors):
+        values = self._values(np.asarray(tensors["weight"]).view(np.uint8))
+        return nm.mx_dequantize(values, np.asarray(tensors["weight_scale"]).view(np.uint8))
+
     def check(self, shape, matmul):
         why = super().check(shape, matmul)
         if why:
@@ -37,23 +71,13 @@ class W4A8MXFP(_MX):
         N, K = shape
         return {"weight": ("U8", (N, K // 2)), "weight_scale": ("U8", (N, K // BLOCK))}
 
-    def quantize(self, w, matmul=None):
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        self.require(w.shape, matmul)
-        code, scale = nm.mxfp4_quantize(w)
-        return {"weight": nm.pack_nibbles_along_k(code), "weight_scale": scale}
+    elem = "e2m1"
+    _pack = staticmethod(nm.pack_nibbles_along_k)
+    _kernel = staticmethod(kn.mxfp4_kernel)
 
-    def quantize_bf16(self, w_u16, matmul=None, out=None):
-        w = _u16(w_u16)
-        res = self.alloc(w.shape, matmul, out)
-        bad = kn.mxfp4_kernel(w, res["weight"], res["weight_scale"])
-        if bad >= 0:
-            _raise_nonfinite(w, bad)
-        return res
-
-    def dequantize(self, tensors):
-        code = nm.unpack_nibbles_along_k(np.asarray(tensors["weight"]).view(np.uint8))
-        return nm.mx_dequantize(nm.e2m1_to_f32(code), np.asarray(tensors["weight_scale"]).view(np.uint8))
+    @staticmethod
+    def _values(weight):
+        return nm.e2m1_to_f32(nm.unpack_nibbles_along_k(weight))
 
 
 @register
@@ -71,20 +95,6 @@ class W8A8MXFP8(_MX):
         N, K = shape
         return {"weight": ("F8_E4M3", (N, K)), "weight_scale": ("U8", (N, K // BLOCK))}
 
-    def quantize(self, w, matmul=None):
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        self.require(w.shape, matmul)
-        code, scale = nm.mxfp8_quantize(w)
-        return {"weight": code, "weight_scale": scale}
-
-    def quantize_bf16(self, w_u16, matmul=None, out=None):
-        w = _u16(w_u16)
-        res = self.alloc(w.shape, matmul, out)
-        bad = kn.mxfp8_kernel(w, res["weight"], res["weight_scale"])
-        if bad >= 0:
-            _raise_nonfinite(w, bad)
-        return res
-
-    def dequantize(self, tensors):
-        code = np.asarray(tensors["weight"]).view(np.uint8)  # F8_E4M3 bit patterns
-        return nm.mx_dequantize(nm.e4m3_to_f32(code), np.asarray(tensors["weight_scale"]).view(np.uint8))
+    elem = "e4m3"
+    _kernel = staticmethod(kn.mxfp8_kernel)
+    _values = staticmethod(nm.e4m3_to_f32)  # weight holds F8_E4M3 bit patterns

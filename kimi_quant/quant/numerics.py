@@ -332,24 +332,6 @@ def e2m1_round(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return code, E2M1_VALUES[code]
 
 
-def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """-> (codes uint8 [N, K] 0..15 (bit 3 = sign; zero magnitudes are +0), scale bytes uint8 [N, K/32])."""
-    N, K = w.shape
-    mag, neg, scale = mx_quantize_blocks(w, 2, e2m1_round)
-    code = mag | ((neg & (mag > 0)).astype(np.uint8) << 3)
-    return code.reshape(N, K), scale
-
-
-def mxfp4_ocp_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The OCP floor rule alone (quality baseline)."""
-    N, K = w.shape
-    scale = mx_ocp_scale(w, 2)
-    y = np.abs(mx_blocks(w)) * pow2_f32(-(scale.astype(np.int32) - 127))[..., None]
-    mag, _ = e2m1_round(y)
-    code = mag | (((mx_blocks(w) < 0) & (mag > 0)).astype(np.uint8) << 3)
-    return code.reshape(N, K), scale
-
-
 def pack_nibbles_along_k(code: np.ndarray) -> np.ndarray:
     """uint8 codes [N, K] -> uint8 [N, K/2], element 2i in the low nibble."""
     return (code[:, 0::2] & 0xF) | ((code[:, 1::2] & 0xF) << 4)
@@ -395,23 +377,6 @@ def e4m3_round(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return byte, r
 
 
-def mxfp8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """-> (E4M3 bytes uint8 [N, K] (sign bit 7; zero magnitudes are +0), scale bytes uint8 [N, K/32])."""
-    N, K = w.shape
-    mag, neg, scale = mx_quantize_blocks(w, 8, e4m3_round)
-    code = mag | ((neg & (mag > 0)).astype(np.uint8) << 7)
-    return code.reshape(N, K), scale
-
-
-def mxfp8_ocp_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    N, K = w.shape
-    scale = mx_ocp_scale(w, 8)
-    y = np.abs(mx_blocks(w)) * pow2_f32(-(scale.astype(np.int32) - 127))[..., None]
-    mag, _ = e4m3_round(y)
-    code = mag | (((mx_blocks(w) < 0) & (mag > 0)).astype(np.uint8) << 7)
-    return code.reshape(N, K), scale
-
-
 def e4m3_to_f32(b: np.ndarray) -> np.ndarray:
     """float8_e4m3fn bytes -> float32 (0x7F / 0xFF -> NaN)."""
     b = b.astype(np.int32)
@@ -419,3 +384,52 @@ def e4m3_to_f32(b: np.ndarray) -> np.ndarray:
     mag = np.where(exp == 0, man * 2.0**-9, (1.0 + man / 8.0) * np.ldexp(1.0, exp - 7))
     mag = np.where((b & 0x7F) == 0x7F, np.nan, mag)
     return np.where(b & 0x80, -mag, mag).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# MX codes with sign: one definition for both element types
+
+
+def _with_sign(mag: np.ndarray, neg: np.ndarray, sign_bit: int) -> np.ndarray:
+    """Sign-magnitude codes; zero magnitudes stay +0 (never the negative-zero code)."""
+    return mag | ((neg & (mag > 0)).astype(np.uint8) << sign_bit)
+
+
+MX_ELEMENTS = {  # element type -> (emax_elem, rounding, sign bit)
+    "e2m1": (2, e2m1_round, 3),
+    "e4m3": (8, e4m3_round, 7),
+}
+
+
+def mx_quantize(w: np.ndarray, elem: str) -> tuple[np.ndarray, np.ndarray]:
+    """-> (codes uint8 [N, K] with sign bit, scale bytes uint8 [N, K/32]); exponent chosen by block error."""
+    emax, round_fn, sign_bit = MX_ELEMENTS[elem]
+    N, K = w.shape
+    mag, neg, scale = mx_quantize_blocks(w, emax, round_fn)
+    return _with_sign(mag, neg, sign_bit).reshape(N, K), scale
+
+
+def mx_ocp_quantize(w: np.ndarray, elem: str) -> tuple[np.ndarray, np.ndarray]:
+    """The OCP floor rule alone (the quality baseline the chosen exponent must never lose to)."""
+    emax, round_fn, sign_bit = MX_ELEMENTS[elem]
+    N, K = w.shape
+    scale = mx_ocp_scale(w, emax)
+    blocks = mx_blocks(w)
+    mag, _ = round_fn(np.abs(blocks) * pow2_f32(-(scale.astype(np.int32) - 127))[..., None])
+    return _with_sign(mag, blocks < 0, sign_bit).reshape(N, K), scale
+
+
+def mxfp4_quantize(w):
+    return mx_quantize(w, "e2m1")
+
+
+def mxfp8_quantize(w):
+    return mx_quantize(w, "e4m3")
+
+
+def mxfp4_ocp_quantize(w):
+    return mx_ocp_quantize(w, "e2m1")
+
+
+def mxfp8_ocp_quantize(w):
+    return mx_ocp_quantize(w, "e4m3")
