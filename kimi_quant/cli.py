@@ -75,7 +75,7 @@ def main(ctx, debug):
 
 
 # -- targets ---------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="List device families, their schemes and status.")
 def targets():
     """List the device families (--target values), their schemes and status."""
     from .targets import TARGETS
@@ -111,7 +111,7 @@ def _open(source, revision, work_dir=None):
 
 
 # -- plan ---------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Dry run from headers only: schemes, sizes, shards, memory.")
 @_plan_options
 @click.option("--workers", type=int, default=None, help="Worker processes the memory estimate assumes (default: cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full plan as JSON.")
@@ -153,7 +153,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
 
 
 # -- convert ------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Convert a BF16 checkpoint (dir or hub repo) for a device.")
 @_plan_options
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--workers", type=int, default=None, help="Worker processes (default: one per core).")
@@ -180,6 +180,9 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
     from .targets import resolve_target
 
     resolve_target(target)
+    if do_validate and not Path(source).expanduser().is_dir():
+        raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
+                             "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
     source_options = {}
     if work_dir or max_disk or keep_source:
         source_options = {"work_dir": work_dir, "max_disk": max_disk, "keep_source": keep_source}
@@ -227,7 +230,7 @@ def _validate_after(source, out_dir, max_ppl_increase, quiet):
 
 
 # -- verify ------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Check an output: hashes, index, description, shapes.")
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--no-rehash", is_flag=True, help="Skip re-hashing shards (sizes and headers are still checked).")
 def verify(output, no_rehash):
@@ -239,7 +242,7 @@ def verify(output, no_rehash):
 
 
 # -- synth -------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Write a K3.1-shaped BF16 checkpoint (tiny, bench, full).")
 @click.option("--preset", type=click.Choice(["tiny", "bench", "full"]), default="tiny", show_default=True,
               help="tiny: the trained 1.7M-parameter K3.1-shaped model; bench: GB-sized, real expert shapes; "
                    "full: the real 2.8T K3.1 Pro inventory, headers only (implies --sparse).")
@@ -259,7 +262,7 @@ def synth(preset, output, num_experts, seed, random_weights, shard_size, sparse)
 
 
 # -- demo ------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="The whole job on the bundled tiny model, end to end.")
 @click.option("--output", "-o", default="kimi-quant-demo", show_default=True, type=click.Path(file_okay=False))
 @click.option("--validate/--no-validate", "do_validate", default=True, show_default=True,
               help="Measure perplexity of each output against the BF16 model.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 
-@click.command("publish")
+@click.command("publish", short_help="Upload a verified output with a model card.")
 @click.argument("output", type=click.Path(file_okay=False, path_type=str))
 @click.option("--repo-id", required=True, metavar="ORG/NAME", help="Hub repo to create (if needed) and upload to.")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")

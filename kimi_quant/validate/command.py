@@ -7,7 +7,7 @@ import click
 from ..errors import KimiQuantError
 
 
-@click.command("validate")
+@click.command("validate", short_help="Perplexity and per-layer error of QUANTIZED vs BF16.")
 @click.argument("source", type=click.Path(exists=True, file_okay=False))
 @click.argument("quantized", type=click.Path(exists=True, file_okay=False))
 @click.option("--calibration", "calibration", default=None, metavar="FILE|NAME",
