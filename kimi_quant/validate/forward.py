@@ -334,9 +334,18 @@ def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Te
     return idx, wts * cfg.routed_scaling_factor
 
 
+def _linear(x: torch.Tensor, wt: torch.Tensor, mode: str | None) -> torch.Tensor:
+    """``x @ wt.T`` with the activation quantizer ``mode`` (or none) applied to x first (as _Lin)."""
+    if mode:
+        x = ACT_QUANT[mode](x)
+    return x @ wt.t()
+
+
 def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, dense: bool = False) -> torch.Tensor:
     """Latent MoE. ``dense=True`` (training path) runs every expert on every token and weights the
     outputs by the (mostly zero) routing matrix: same result, no gather/scatter."""
+    if not (dense and not act):
+        return moe_many(cfg, w, [x], act)[0]
     lin = _Lin(w, act)
     M = "block_sparse_moe."
     shape = x.shape
@@ -344,29 +353,60 @@ def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, dense: bool = Fa
     idx, wts = route(cfg, w[M + "gate.weight"], w[M + "gate.e_score_correction_bias"], xf)
     latent = bool(cfg.routed_expert_hidden_size)
     z = lin(xf, M + "routed_expert_down_proj.weight") if latent else xf
-    y = z.new_zeros(z.shape)
-    if dense and not act:
-        W1 = torch.stack([w[f"{M}experts.{e}.w1.weight"] for e in range(cfg.num_experts)])
-        W3 = torch.stack([w[f"{M}experts.{e}.w3.weight"] for e in range(cfg.num_experts)])
-        W2 = torch.stack([w[f"{M}experts.{e}.w2.weight"] for e in range(cfg.num_experts)])
-        he = _glu(cfg, torch.einsum("nr,eir->eni", z, W1), torch.einsum("nr,eir->eni", z, W3))
-        R = torch.zeros(z.shape[0], cfg.num_experts, dtype=z.dtype, device=z.device).scatter(1, idx, wts)
-        y = torch.einsum("eni,eri,ne->nr", he, W2, R)
-    for e in range(cfg.num_experts if not (dense and not act) else 0):
-        tok, slot = (idx == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        ze = z[tok]
-        E = f"{M}experts.{e}."
-        he = _glu(cfg, lin(ze, E + "w1.weight"), lin(ze, E + "w3.weight"))
-        y = y.index_add(0, tok, lin(he, E + "w2.weight") * wts[tok, slot].unsqueeze(-1))
+    W1 = torch.stack([w[f"{M}experts.{e}.w1.weight"] for e in range(cfg.num_experts)])
+    W3 = torch.stack([w[f"{M}experts.{e}.w3.weight"] for e in range(cfg.num_experts)])
+    W2 = torch.stack([w[f"{M}experts.{e}.w2.weight"] for e in range(cfg.num_experts)])
+    he = _glu(cfg, torch.einsum("nr,eir->eni", z, W1), torch.einsum("nr,eir->eni", z, W3))
+    R = torch.zeros(z.shape[0], cfg.num_experts, dtype=z.dtype, device=z.device).scatter(1, idx, wts)
+    y = torch.einsum("eni,eri,ne->nr", he, W2, R)
+    return _moe_out(cfg, w, lin, M, y, xf, latent, act).reshape(shape)
+
+
+def _moe_out(cfg, w, lin, M, y, xf, latent, act):
     if latent:
         if cfg.latent_moe_use_norm:
             y = rmsnorm(y, w[M + "routed_expert_norm.weight"], cfg.rms_norm_eps)
         y = lin(y, M + "routed_expert_up_proj.weight")
     if cfg.num_shared_experts:
         y = y + dense_mlp(cfg, w, xf, M + "shared_experts.", act)
-    return y.reshape(shape)
+    return y
+
+
+def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None) -> list[torch.Tensor]:
+    """Latent MoE on several token batches, expert-major: each routed expert's w1/w3/w2 is read from
+    ``w`` once (``w`` may be a lazy mapping that loads it on access), only if the router sends it
+    tokens in some batch, applied to every batch, then dropped. Per batch the arithmetic is exactly
+    that of a batch-at-a-time loop (same shapes, experts accumulated in ascending order), so results
+    do not depend on how many batches are passed together."""
+    lin = _Lin(w, act)
+    act = act or {}
+    M = "block_sparse_moe."
+    latent = bool(cfg.routed_expert_hidden_size)
+    shapes, xfs, routes, zs, ys = [], [], [], [], []
+    for x in xs:
+        shapes.append(x.shape)
+        xf = x.reshape(-1, x.shape[-1])
+        xfs.append(xf)
+        idx, wts = route(cfg, w[M + "gate.weight"], w[M + "gate.e_score_correction_bias"], xf)
+        routes.append((idx, wts))
+        z = lin(xf, M + "routed_expert_down_proj.weight") if latent else xf
+        zs.append(z)
+        ys.append(z.new_zeros(z.shape))
+    used = torch.unique(torch.cat([idx.reshape(-1) for idx, _ in routes])) if routes else torch.empty(0)
+    for e in used.tolist():
+        E = f"{M}experts.{e}."
+        W1, W3, W2 = w[E + "w1.weight"], w[E + "w3.weight"], w[E + "w2.weight"]
+        m1, m3, m2 = act.get(E + "w1.weight"), act.get(E + "w3.weight"), act.get(E + "w2.weight")
+        for b, ((idx, wts), z) in enumerate(zip(routes, zs)):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            ze = z[tok]
+            he = _glu(cfg, _linear(ze, W1, m1), _linear(ze, W3, m3))
+            ys[b] = ys[b].index_add(0, tok, _linear(he, W2, m2) * wts[tok, slot].unsqueeze(-1))
+        del W1, W3, W2
+    return [_moe_out(cfg, w, lin, M, y, xf, latent, act).reshape(shape)
+            for y, xf, shape in zip(ys, xfs, shapes)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -397,6 +437,26 @@ def embed(gw: Weights, ids: torch.Tensor) -> State:
 def layer_forward(cfg: TextConfig, i: int, w: Weights, state: State, act: dict[str, str] | None = None,
                   kda_impl: str = "chunked", chunk_size: int = 64, moe_dense: bool = False) -> State:
     """Decoder layer ``i`` on the carried state, with this layer's weights only (names relative to the layer)."""
+    p, blocks, h2n = _layer_attn(cfg, i, w, state, act, kda_impl, chunk_size)
+    m = dense_mlp(cfg, w, h2n, "mlp.", act) if cfg.is_dense(i) else moe(cfg, w, h2n, act, moe_dense)
+    return State(p + m, blocks)
+
+
+def layers_forward(cfg: TextConfig, i: int, w: Weights, states: list[State], act: dict[str, str] | None = None,
+                   kda_impl: str = "chunked", chunk_size: int = 64) -> list[State]:
+    """``layer_forward`` on several token batches at once (bit-identical per batch). The MoE runs
+    expert-major over all batches (:func:`moe_many`), so with a lazy weight mapping each routed expert
+    is loaded once per layer and only one expert's weights are materialized at a time."""
+    parts = [_layer_attn(cfg, i, w, st, act, kda_impl, chunk_size) for st in states]
+    if cfg.is_dense(i):
+        ms = [dense_mlp(cfg, w, h2n, "mlp.", act) for _, _, h2n in parts]
+    else:
+        ms = moe_many(cfg, w, [h2n for _, _, h2n in parts], act)
+    return [State(p + m, blocks) for (p, blocks, _), m in zip(parts, ms)]
+
+
+def _layer_attn(cfg: TextConfig, i: int, w: Weights, state: State, act, kda_impl: str, chunk_size: int):
+    """Everything of layer i up to the MLP input: (residual p, blocks, normalized MLP input)."""
     eps = cfg.rms_norm_eps
     Bsz = cfg.attn_res_block_size or 0
     blocks = list(state.blocks)
@@ -413,9 +473,7 @@ def layer_forward(cfg: TextConfig, i: int, w: Weights, state: State, act: dict[s
         a = mla_attention(cfg, w, hn, act)
     p = a if p is None else p + a
     h2 = attn_res_mix(blocks, p, w["mlp_res_proj.weight"], w["mlp_res_norm.weight"], eps) if Bsz else p
-    h2n = rmsnorm(h2, w["post_attention_layernorm.weight"], eps)
-    m = dense_mlp(cfg, w, h2n, "mlp.", act) if cfg.is_dense(i) else moe(cfg, w, h2n, act, moe_dense)
-    return State(p + m, blocks)
+    return p, blocks, rmsnorm(h2, w["post_attention_layernorm.weight"], eps)
 
 
 def head(cfg: TextConfig, gw: Weights, state: State, act: dict[str, str] | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ..errors import KimiQuantError
 from . import forward as fw
 from .calibration import load_texts
 from .tokenizer import load_tokenizer
-from .weights import QuantizedLoader, SourceLoader, WeightLoader
+from .weights import EMBED_NAMES, HEAD_NAMES, QuantizedLoader, SourceLoader, WeightLoader
 
 CONVENTION = ("non-overlapping windows of seq_len tokens over the [EOS]-joined token stream; "
               "every token after the first of each window scored")
@@ -104,23 +104,31 @@ def _log(progress: bool, msg: str) -> None:
 
 
 @torch.inference_mode()
-def _run(loaders: list[WeightLoader], batches: list[torch.Tensor], progress: bool) \
+def _run(loaders: list[WeightLoader], batches: list[torch.Tensor], progress: bool, lazy_experts: bool = True) \
         -> tuple[list[tuple[float, int]], list[dict[str, Any]], dict[str, float] | None]:
-    """Run models side by side: (nll/count per model, per-layer agreement of model k vs model 0, logits agreement)."""
+    """Run models side by side: (nll/count per model, per-layer agreement of model k vs model 0, logits agreement).
+
+    Resident at any time: the activations of every model (``x`` and the residual blocks per window
+    batch), one decoder layer of one model without its routed experts, and the routed experts in use
+    (one at a time with ``lazy_experts``; the whole layer with ``lazy_experts=False``, the eager
+    reference path). The embedding is loaded only to embed, the head only to score.
+    """
     cfg = loaders[0].cfg
     states = []
-    gws = []
     for ld in loaders:
-        gw, gact = ld.globals()
-        gws.append((gw, gact))
+        gw, _ = ld.globals(EMBED_NAMES)
         states.append([fw.embed(gw, b) for b in batches])
+        del gw
     layers: list[dict[str, Any]] = []
     for i in range(cfg.num_hidden_layers):
         t0 = time.time()
         agree = _Agree()
         for k, ld in enumerate(loaders):
-            w, act = ld.layer(i)
-            states[k] = [fw.layer_forward(cfg, i, w, st, act=act or None) for st in states[k]]
+            w, act = ld.layer(i, lazy_experts=lazy_experts)
+            if lazy_experts:
+                states[k] = fw.layers_forward(cfg, i, w, states[k], act=act or None)
+            else:
+                states[k] = [fw.layer_forward(cfg, i, w, st, act=act or None) for st in states[k]]
             del w
         if len(loaders) > 1:
             for s0, s1 in zip(states[0], states[1]):
@@ -135,7 +143,7 @@ def _run(loaders: list[WeightLoader], batches: list[torch.Tensor], progress: boo
     lagree = _Agree()
     logits0 = []
     for k, ld in enumerate(loaders):
-        gw, gact = gws[k]
+        gw, gact = ld.globals(HEAD_NAMES)
         nll, cnt = 0.0, 0
         for j, (st, ids) in enumerate(zip(states[k], batches)):
             logits = fw.head(cfg, gw, st, gact or None)
@@ -147,6 +155,7 @@ def _run(loaders: list[WeightLoader], batches: list[torch.Tensor], progress: boo
             else:
                 lagree.add(logits0[j], logits)
         totals.append((nll, cnt))
+        del gw
     return totals, layers, (lagree.result() if len(loaders) > 1 else None)
 
 
@@ -169,20 +178,23 @@ def perplexity_of_source(model_dir: str | Path, calibration: str | Path | None =
 
 def run_validation(source_dir: str | Path, quant_dir: str | Path, calibration: str | Path | None = None,
                    max_tokens: int = 4096, seq_len: int = 512, json_path: str | Path | None = None,
-                   progress: bool = True) -> dict[str, Any]:
+                   progress: bool = True, lazy_experts: bool = True) -> dict[str, Any]:
     """Perplexity of the BF16 source and its ascendV1 conversion on the same windows, plus per-layer agreement.
 
     Returns (and writes to ``json_path`` if given) a report with ``ppl_bf16``, ``ppl_quant``, ``ratio``
     (= ppl_quant / ppl_bf16), ``tokens`` (scored tokens), ``layers`` (one entry per decoder layer:
     layer, kind, cosine, cosine_min, rel_error), ``logits`` (the same for the final logits), and
     ``convention``, ``seq_len``, ``windows``, ``calibration``, ``wall_s``.
+
+    ``lazy_experts=False`` loads every routed expert of a layer up front (the former eager path, kept
+    as the reference the default lazy, expert-at-a-time path is tested to match bit for bit).
     """
     t0 = time.time()
     tok_dir = source_dir if (Path(source_dir) / "tiktoken.model").is_file() else quant_dir
     batches = token_windows(tok_dir, calibration, max_tokens, seq_len)
     with SourceLoader(source_dir) as src, QuantizedLoader(quant_dir) as qnt:
         _check_same_model(src, qnt)
-        totals, layers, logits = _run([src, qnt], batches, progress)
+        totals, layers, logits = _run([src, qnt], batches, progress, lazy_experts)
     (nb, cb), (nq, cq) = totals
     ppl_b, ppl_q = math.exp(nb / cb), math.exp(nq / cq)
     report = {

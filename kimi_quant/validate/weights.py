@@ -15,6 +15,8 @@ Only the shards holding that layer are touched; nothing else stays resident.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +41,45 @@ ACT_OF_TYPE = {
     "W4A8_MXFP": "mxfp8",
 }
 QUANT_SUFFIXES = ("weight_scale", "weight_offset", "scale_bias")
-GLOBAL_NAMES = ("model.embed_tokens.weight", "model.norm.weight", "model.output_attn_res_norm.weight",
-                "model.output_attn_res_proj.weight", "lm_head.weight")
+EMBED_NAMES = ("model.embed_tokens.weight",)
+HEAD_NAMES = ("model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
+              "lm_head.weight")
+GLOBAL_NAMES = EMBED_NAMES + HEAD_NAMES
+#: routed-expert tensors (relative to the layer prefix): loaded lazily, one expert at a time
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.")
+
+
+class LazyLayer(Mapping):
+    """One layer's weights, relative names -> fp32 tensors. Everything but the routed experts is
+    loaded up front; a routed expert's tensor is read (and dequantized) from the checkpoint each time
+    it is looked up and not kept, so the caller holds at most the experts it is computing with
+    (:func:`kimi_quant.validate.forward.moe_many` looks each used expert up once per layer)."""
+
+    def __init__(self, loader: "WeightLoader", prefix: str, dense: dict[str, torch.Tensor], lazy: list[str]):
+        self._loader = loader
+        self._prefix = prefix
+        self._dense = dense
+        self._lazy = set(lazy)
+        self._order = list(dense) + [n for n in lazy if n not in dense]
+        self.loads = 0  # expert tensors read so far (for tests and benchmarks)
+
+    def __getitem__(self, rel: str) -> torch.Tensor:
+        t = self._dense.get(rel)
+        if t is not None:
+            return t
+        if rel not in self._lazy:
+            raise KeyError(rel)
+        self.loads += 1
+        return self._loader.tensor(self._prefix + rel, release=True)[0]
+
+    def __contains__(self, rel: object) -> bool:
+        return rel in self._dense or rel in self._lazy
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
 class WeightLoader:
@@ -71,21 +110,37 @@ class WeightLoader:
             r = self._readers[file] = SafetensorsReader(path)
         return r
 
-    def _raw(self, name: str) -> tuple[np.ndarray, str]:
+    def _file_of(self, name: str) -> str:
         try:
-            file = self.weight_map[name]
+            return self.weight_map[name]
         except KeyError:
             raise BadCheckpoint(f"{self.root}: tensor {name!r} is not in the weight map") from None
-        r = self._reader(file)
+
+    def _raw(self, name: str) -> tuple[np.ndarray, str]:
+        r = self._reader(self._file_of(name))
         return r.array(name), r.info(name).dtype
+
+    def _release(self, name: str) -> None:
+        """Drop the mapped pages of ``name`` (after it has been copied out)."""
+        r = self._readers.get(self.weight_map.get(name, ""))
+        if r is not None:
+            r.release(name)
 
     def _float(self, name: str) -> torch.Tensor:
         arr, dtype = self._raw(name)
         return torch.from_numpy(np.array(to_f32(arr, dtype), dtype=np.float32, copy=True))
 
-    def tensor(self, name: str) -> tuple[torch.Tensor, str | None]:
-        """(fp32 tensor, activation quantizer or None) for full tensor name ``name``."""
-        return self._float(name), None
+    def act_of(self, name: str) -> str | None:
+        """The activation quantizer the device applies before Linear ``name`` (None for BF16 sources)."""
+        return None
+
+    def tensor(self, name: str, release: bool = False) -> tuple[torch.Tensor, str | None]:
+        """(fp32 tensor, activation quantizer or None) for full tensor name ``name``; ``release``
+        drops its mapped pages afterwards."""
+        t = self._float(name)
+        if release:
+            self._release(name)
+        return t, None
 
     def _load(self, names: list[str], strip: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         w: dict[str, torch.Tensor] = {}
@@ -98,16 +153,36 @@ class WeightLoader:
                 act[rel] = a
         return w, act
 
-    def globals(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    def globals(self, names: tuple[str, ...] = GLOBAL_NAMES) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Non-layer tensors (relative to the text prefix); ``names`` picks a subset (EMBED_NAMES /
+        HEAD_NAMES, so the embedding and the LM head need not be resident at the same time)."""
         p = self.spec.prefix
-        return self._load([p + n for n in GLOBAL_NAMES], p)
-
-    def layer(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        lp = f"{self.spec.prefix}model.layers.{i}."
-        names = [n for n in self._expected if n.startswith(lp)]
-        out = self._load(names, lp)
+        out = self._load([p + n for n in names], p)
         self.release()
         return out
+
+    def layer(self, i: int, lazy_experts: bool = True) \
+            -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
+        """Layer ``i``: (weights by relative name, activation quantizer by relative name).
+
+        ``lazy_experts`` (default): a :class:`LazyLayer` whose routed experts are read on lookup, so
+        memory is the dense part of the layer plus the experts in use. ``False``: a dict with every
+        tensor loaded in fp32 (the whole layer resident; the reference the lazy path must match)."""
+        lp = f"{self.spec.prefix}model.layers.{i}."
+        names = [n for n in self._expected if n.startswith(lp)]
+        if not lazy_experts:
+            out = self._load(names, lp)
+            self.release()
+            return out
+        lazy = [n for n in names if _EXPERT.match(n, len(lp))]
+        lazy_set = set(lazy)
+        w, act = self._load([n for n in names if n not in lazy_set], lp)
+        self.release()
+        for n in lazy:
+            a = self.act_of(n)
+            if a:
+                act[n[len(lp):]] = a
+        return LazyLayer(self, lp, w, [n[len(lp):] for n in lazy]), act
 
     def release(self) -> None:
         for r in self._readers.values():
@@ -171,13 +246,21 @@ class QuantizedLoader(WeightLoader):
             raise BadCheckpoint(f"{self.root / QUANT_DESCRIPTION}: no type for tensor {name!r}")
         return t
 
-    def tensor(self, name: str) -> tuple[torch.Tensor, str | None]:
+    def act_of(self, name: str) -> str | None:
         qtype = self.type_of(name)
-        if qtype == "FLOAT":
-            return self._float(name), None
         if qtype not in ACT_OF_TYPE:
             raise KimiQuantError(f"{self.root}: tensor {name!r} has type {qtype!r}, which validation cannot "
                                  f"simulate (supported: {', '.join(ACT_OF_TYPE)})")
+        return ACT_OF_TYPE[qtype]
+
+    def tensor(self, name: str, release: bool = False) -> tuple[torch.Tensor, str | None]:
+        qtype = self.type_of(name)
+        if qtype == "FLOAT":
+            t = self._float(name)
+            if release:
+                self._release(name)
+            return t, None
+        act = self.act_of(name)
         from ..quant import get_codec
 
         base = name[: -len("weight")] if name.endswith("weight") else name + "."
@@ -185,8 +268,13 @@ class QuantizedLoader(WeightLoader):
         for suf in QUANT_SUFFIXES:
             if base + suf in self.weight_map:
                 parts[suf] = np.array(self._raw(base + suf)[0], copy=True)
+        if release:
+            self._release(name)
+            for suf in QUANT_SUFFIXES:
+                self._release(base + suf)
         w = np.asarray(get_codec(qtype).dequantize(parts), dtype=np.float32)
+        del parts
         shape = self._expected.get(name, (None,))[0]
         if shape is not None and tuple(w.shape) != tuple(shape):
             raise BadCheckpoint(f"{self.root}: {name!r} dequantizes to {list(w.shape)}, expected {list(shape)}")
-        return torch.from_numpy(np.ascontiguousarray(w)), ACT_OF_TYPE[qtype]
+        return torch.from_numpy(np.ascontiguousarray(w)), act
