@@ -103,11 +103,10 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
     return rows
 
 
-def bench_llm_compressor(src: Path, work: Path) -> list[dict]:
-    try:
-        import llmcompressor  # noqa: F401
-    except ImportError:
-        print("llm-compressor not installed: skipping the side-by-side", file=sys.stderr)
+def bench_llm_compressor(src: Path, work: Path, python: str) -> list[dict]:
+    """llm-compressor's model-free path on the same checkpoint (run by ``python``, e.g. its own venv)."""
+    if subprocess.run([python, "-c", "import llmcompressor"], capture_output=True).returncode:
+        print(f"llm-compressor not importable by {python}: skipping the side-by-side", file=sys.stderr)
         return []
     rows = []
     code = ("import sys; from llmcompressor import model_free_ptq; "
@@ -115,7 +114,7 @@ def bench_llm_compressor(src: Path, work: Path) -> list[dict]:
     for scheme in ("W4A8", "MXFP4"):
         out = work / f"llmc-{scheme}"
         shutil.rmtree(out, ignore_errors=True)
-        r = run_measured([sys.executable, "-c", code, str(src), str(out), scheme])
+        r = run_measured([python, "-c", code, str(src), str(out), scheme])
         nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         rows.append({"tool": "llm-compressor", "scheme": scheme, "seconds": round(r["seconds"], 2),
                      "gbps": round(nbytes / r["seconds"] / 1e9, 3), "peak_rss_tree_mb": r["peak_rss_tree"] >> 20})
@@ -131,7 +130,9 @@ def main() -> None:
     ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--max-shard-size", default="256MiB")
-    ap.add_argument("--llm-compressor", action="store_true")
+    ap.add_argument("--llm-compressor", action="store_true", help="also run llm-compressor model_free_ptq")
+    ap.add_argument("--llm-compressor-python", default=sys.executable,
+                    help="interpreter that has llmcompressor installed (keep it out of this venv)")
     ap.add_argument("--json", help="write results here")
     args = ap.parse_args()
     work = Path(args.work)
@@ -142,7 +143,7 @@ def main() -> None:
     if args.double:
         rows += bench(synth(work, 2 * args.experts), out, args.targets, args.workers, args.max_shard_size)
     if args.llm_compressor:
-        rows += bench_llm_compressor(synth(work, args.experts), work)
+        rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python)
     print(f"cores: {os.cpu_count()}")
     for r in rows:
         print(json.dumps(r))
