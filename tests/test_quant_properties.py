@@ -178,3 +178,22 @@ def test_fast_path_bit_identical_seeded_sweep():
             ref = codec.quantize(bf16_to_f32(w), matmul)
             for k in fast:
                 assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (seed, name, k)
+
+
+def test_mx_sse_screen_agrees_with_exact_path():
+    """The MX kernels decide most saturating blocks by a float32 SSE screen with a relative margin;
+    with a huge margin every such block takes the exact float64 tree path.  Both must match the reference."""
+    from kimi_quant.quant import kernels as kn
+
+    rng = np.random.default_rng(99)
+    cases = [_bf16(0.02 * rng.standard_normal((8, 512))), _bf16(0.01 * rng.standard_t(2, (8, 512)))]
+    cases += [w for _, w in EDGE if w.shape[1] % 32 == 0]
+    for w in cases:
+        for elem, kern, pack in [("e2m1", kn.mxfp4_kernel, True), ("e4m3", kn.mxfp8_kernel, False)]:
+            code, scale = nm.mx_quantize(bf16_to_f32(w), elem)
+            want = nm.pack_nibbles_along_k(code) if pack else code
+            for margin in (np.float32(2.0**-12), np.float32(np.inf)):  # inf: the screen never decides
+                out = np.empty_like(want)
+                sc = np.empty_like(scale)
+                assert kern(w, out, sc, margin) == -1
+                assert np.array_equal(out, want) and np.array_equal(sc, scale), (elem, margin)

@@ -28,14 +28,148 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from .numerics import (BLOCK, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_CHUNK, INT4_FIX_BITS, INT4_GRID, INT4_LIMB_BITS,
+from .numerics import (BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_CHUNK, INT4_FIX_BITS, INT4_GRID, INT4_LIMB_BITS,
                        INT4_MAX_ITERS)
 from . import numerics as _nm
 
 _E2M1 = E2M1_VALUES.copy()
-_F32_ZERO_ROW_SCALE = np.float32(1.0)
+
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+
+
+def _c32(v):
+    return ir.Constant(_I32, v)
+
+
+# Small LLVM-level helpers.  numba types integer arithmetic on uint16/uint32 as 64-bit, which halves
+# or quarters the vector width of the element loops; these keep every step in 32-bit lanes, so
+# LLVM vectorises the loops that call them at full width (16 lanes with AVX-512).
+
+
+@intrinsic
+def _u32_as_f32(typingctx, x):
+    """Reinterpret uint32 bits as float32 (a register bitcast: vectorises, unlike an array view)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, x):
+    """Reinterpret float32 bits as uint32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+    return types.uint32(types.float32), codegen
+
+
+def _e2m1_code_ir(b, y):
+    """numerics.e2m1_round code of float32 y >= 0 (i32): the number of thresholds passed."""
+    c = _c32(0)
+    for t, inclusive in E2M1_THRESHOLDS:
+        cmp = b.fcmp_ordered(">=" if inclusive else ">", y, ir.Constant(_F32, t))
+        c = b.add(c, b.zext(cmp, _I32))
+    return c
+
+
+def _signed_ir(b, c, sign_bit):
+    """c | sign_bit unless c == 0 (zero magnitudes stay +0); sign_bit is 0 or the code's sign bit (i32)."""
+    return b.or_(c, b.select(b.icmp_unsigned("!=", c, _c32(0)), sign_bit, _c32(0)))
+
+
+@intrinsic
+def _fp4_byte(typingctx, wd, p):
+    """One output byte of MXFP4: the bf16 pair in uint32 word wd (element 2i in the low half),
+    magnitudes scaled by p (float32 2^-e), E2M1 codes with sign, low nibble first."""
+    def codegen(context, b, signature, args):
+        wd, p = args
+        lo = b.fmul(b.bitcast(b.and_(b.shl(wd, _c32(16)), _c32(0x7FFF0000)), _F32), p)
+        hi = b.fmul(b.bitcast(b.and_(wd, _c32(0x7FFF0000)), _F32), p)
+        clo = _signed_ir(b, _e2m1_code_ir(b, lo), b.and_(b.lshr(wd, _c32(12)), _c32(8)))
+        chi = _signed_ir(b, _e2m1_code_ir(b, hi), b.and_(b.lshr(wd, _c32(28)), _c32(8)))
+        return b.trunc(b.or_(clo, b.shl(chi, _c32(4))), _I8)
+    return types.uint8(types.uint32, types.float32), codegen
+
+
+@intrinsic
+def _fp8_byte(typingctx, x, p):
+    """One output byte of MXFP8: bf16 bits x, magnitude scaled by p (float32 2^-e), rounded to E4M3
+    as numerics.e4m3_round (normal range on the float32 bits, saturated at 448 = 0x43E00000 by an
+    integer min; below 2^-6 rint(y * 512)), with sign."""
+    def codegen(context, b, signature, args):
+        x, p = args
+        xx = b.zext(x, _I32)
+        y = b.fmul(b.bitcast(b.shl(b.and_(xx, _c32(0x7FFF)), _c32(16)), _F32), p)
+        u = b.bitcast(y, _I32)
+        rn = b.and_(b.add(b.add(u, _c32(0x7FFFF)), b.and_(b.lshr(u, _c32(20)), _c32(1))), _c32(0xFFF00000))
+        rn = b.select(b.icmp_unsigned("<", rn, _c32(0x43E00000)), rn, _c32(0x43E00000))
+        cn = b.sub(b.lshr(rn, _c32(20)), _c32(960))  # ((exp - 120) << 3) | mantissa
+        rint = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32]), "llvm.rint.f32")
+        ms = b.fptoui(b.call(rint, [b.fmul(y, ir.Constant(_F32, 512.0))]), _I32)
+        c = b.select(b.fcmp_ordered("<", y, ir.Constant(_F32, 2.0**-6)), ms, cn)
+        c = _signed_ir(b, c, b.and_(b.lshr(xx, _c32(8)), _c32(0x80)))
+        return b.trunc(c, _I8)
+    return types.uint8(types.uint16, types.float32), codegen
+
+
+@intrinsic
+def _block_absmax(typingctx, arr, off):
+    """max over row[off : off + 32] of the bf16 bits without sign (uint16): one 32 x i16 vector
+    load and a umax reduction (the scalar loop compiles to a serial chain).  arr: 1-D contiguous uint16."""
+    def codegen(context, b, signature, args):
+        ary = context.make_array(signature.args[0])(context, b, args[0])
+        vty = ir.VectorType(_I16, BLOCK)
+        ptr = b.bitcast(b.gep(ary.data, [args[1]]), vty.as_pointer())
+        v = b.and_(b.load(ptr, align=2), ir.Constant(vty, [0x7FFF] * BLOCK))
+        red = cgutils.get_or_insert_function(b.module, ir.FunctionType(_I16, [vty]), "llvm.vector.reduce.umax.v32i16")
+        return b.call(red, [v])
+    return types.uint16(arr, types.intp), codegen
+
+
+@intrinsic
+def _bf16_abs_f32(typingctx, x):
+    """|bf16 bits x| as float32 (uint16 -> float32)."""
+    def codegen(context, b, signature, args):
+        return b.bitcast(b.shl(b.and_(b.zext(args[0], _I32), _c32(0x7FFF)), _c32(16)), _F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _e2m1_err(typingctx, y):
+    """y - e2m1_round(y) for float32 y >= 0 (exact: the grid value is summed from the same
+    comparisons, steps 0.5, 0.5, 0.5, 0.5, 1, 1, 2)."""
+    def codegen(context, b, signature, args):
+        y = args[0]
+        steps = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0)
+        v = ir.Constant(_F32, 0.0)
+        for (t, inclusive), st in zip(E2M1_THRESHOLDS, steps):
+            cmp = b.fcmp_ordered(">=" if inclusive else ">", y, ir.Constant(_F32, t))
+            v = b.fadd(v, b.select(cmp, ir.Constant(_F32, st), ir.Constant(_F32, 0.0)))
+        return b.fsub(y, v)
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _e4m3_err(typingctx, y):
+    """y - e4m3_round(y) for float32 y >= 0 (exact)."""
+    def codegen(context, b, signature, args):
+        y = args[0]
+        u = b.bitcast(y, _I32)
+        rn = b.and_(b.add(b.add(u, _c32(0x7FFFF)), b.and_(b.lshr(u, _c32(20)), _c32(1))), _c32(0xFFF00000))
+        rn = b.select(b.icmp_unsigned("<", rn, _c32(0x43E00000)), rn, _c32(0x43E00000))
+        rint = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32]), "llvm.rint.f32")
+        rs = b.fmul(b.call(rint, [b.fmul(y, ir.Constant(_F32, 512.0))]), ir.Constant(_F32, 2.0**-9))
+        r = b.select(b.fcmp_ordered("<", y, ir.Constant(_F32, 2.0**-6)), rs, b.bitcast(rn, _F32))
+        return b.fsub(y, r)
+    return types.float32(types.float32), codegen
 
 
 @njit(cache=True)
@@ -338,34 +472,6 @@ def _e2m1_block(ya, codes, dd):
 
 
 @njit(cache=True)
-def _e2m1_codes(ya, codes):
-    """Codes only (as _e2m1_block)."""
-    for j in range(BLOCK):
-        y = ya[j]
-        codes[j] = (
-            np.uint8(y > np.float32(0.25))
-            + np.uint8(y >= np.float32(0.75))
-            + np.uint8(y > np.float32(1.25))
-            + np.uint8(y >= np.float32(1.75))
-            + np.uint8(y > np.float32(2.5))
-            + np.uint8(y >= np.float32(3.5))
-            + np.uint8(y > np.float32(5.0))
-        )
-
-
-@njit(cache=True)
-def _e4m3_codes(yu, ya, codes):
-    """Codes only (as _e4m3_block)."""
-    for j in range(BLOCK):
-        u = yu[j]
-        y = ya[j]
-        rn = min((u + np.uint32(0x7FFFF) + ((u >> 20) & np.uint32(1))) & np.uint32(0xFFF00000), np.uint32(0x43E00000))
-        cn = (((rn >> 23) - np.uint32(120)) << 3) | ((rn >> 20) & np.uint32(7))
-        ms = np.rint(y * np.float32(512.0))
-        codes[j] = np.uint8(np.uint32(ms) if y < np.float32(2.0**-6) else cn)
-
-
-@njit(cache=True)
 def _e4m3_block(ya, yu, codes, dd, ru):
     """Round magnitudes ya (32, uint32 view yu) to E4M3 (numerics.e4m3_round): codes, squared errors.
 
@@ -390,16 +496,68 @@ def _e4m3_block(ya, yu, codes, dd, ru):
         dd[j] = d * d
 
 
+#: relative margin of the float32 SSE screen in ``_mx_kernel`` (see there); the tests also run
+#: the kernel with a margin so large that every saturating block takes the exact float64 path.
+MX_SCREEN_MARGIN = np.float32(2.0**-12)
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _mx_sse_pair(blk, p0, p1, fp8):
+    """(sum d0^2, sum d1^2) in float32, any order, of the block blk (32 bf16) under scales p0 and p1."""
+    s0 = np.float32(0.0)
+    s1 = np.float32(0.0)
+    for j in range(BLOCK):
+        a = _bf16_abs_f32(blk[j])
+        if fp8:
+            d0 = _e4m3_err(a * p0)
+            d1 = _e4m3_err(a * p1)
+        else:
+            d0 = _e2m1_err(a * p0)
+            d1 = _e2m1_err(a * p1)
+        s0 += d0 * d0
+        s1 += d1 * d1
+    return s0, s1
+
+
 @njit(cache=True)
-def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
+def _mx_block_two(row, k0, p0, p1, fp8, a, y0, y1, c0, c1, d0, d1, ru):
+    """Both exponent candidates of the block at k0 (scales p0 = 2^-e0, p1 = 2^-e1): True if e1 wins
+    (its magnitude codes are then in c1), by the block SSE rule of numerics.mx_quantize_blocks."""
+    for j in range(BLOCK):
+        a[j] = _u32_as_f32(np.uint32(row[k0 + j] & np.uint16(0x7FFF)) << 16)
+    for j in range(BLOCK):
+        y0[j] = a[j] * p0
+        y1[j] = a[j] * p1
+    if fp8:
+        _e4m3_block(y0, y0.view(np.uint32), c0, d0, ru)
+        _e4m3_block(y1, y1.view(np.uint32), c1, d1, ru)
+    else:
+        _e2m1_block(y0, c0, d0)
+        _e2m1_block(y1, c1, d1)
+    return 4.0 * _tree64(d1) < _tree64(d0)
+
+
+@njit(cache=True)
+def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     """Shared MX driver: per block choose e0 / e0+1 by SSE, write element codes (with sign) and E8M0.
 
     codes_out: uint8 [N, K/2] (fp8=False, E2M1 packed along K, low nibble first) or [N, K] (E4M3).
+
+    Per row: (1) block maxima on the bf16 bits; (2) per block the OCP exponent e0, its scale and
+    whether the block saturates under e0; (3) codes of the whole row under e0, in vector lanes
+    (E2M1 two elements per uint32 word of bf16 pairs, packed straight into the output byte);
+    (4) the saturating blocks only: both candidates with their SSE, codes rewritten if e1 wins.
+    Skipping (4) for the other blocks is exact: when no element saturates under e0 (y <= ymax_elem),
+    the e1 grid restricted to [0, ymax] is a subset of the e0 grid, so every element's e0 error is
+    <= its e1 error and the rounded sums keep 4*sse1 < sse0 false: e0 wins.
     """
     N, K = w.shape
     nb = K // BLOCK
-    au = np.empty(BLOCK, dtype=np.uint32)
-    af = au.view(np.float32)
+    bm = np.empty(nb, dtype=np.uint16)
+    pf = np.empty(nb, dtype=np.float32)
+    satb = np.empty(nb, dtype=np.int64)
+    sate = np.empty(nb, dtype=np.int32)
+    a = np.empty(BLOCK, dtype=np.float32)
     y0 = np.empty(BLOCK, dtype=np.float32)
     y1 = np.empty(BLOCK, dtype=np.float32)
     c0 = np.empty(BLOCK, dtype=np.uint8)
@@ -407,83 +565,77 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8):
     d0 = np.empty(BLOCK, dtype=np.float64)
     d1 = np.empty(BLOCK, dtype=np.float64)
     ru = np.empty(BLOCK, dtype=np.uint32)
-    y0u = y0.view(np.uint32)
-    y1u = y1.view(np.uint32)
-    neg = np.empty(BLOCK, dtype=np.uint8)
-    tmp = np.empty(1, dtype=np.uint32)
-    sign_bit = np.uint8(0x80) if fp8 else np.uint8(0x08)
     ymax = np.float32(448.0) if fp8 else np.float32(6.0)
     for n in range(N):
+        row = w[n]
         for blk in range(nb):
-            k0 = blk * BLOCK
-            m = np.uint16(0)
-            for j in range(BLOCK):
-                b = w[n, k0 + j]
-                a = b & np.uint16(0x7FFF)
-                au[j] = np.uint32(a) << 16
-                neg[j] = np.uint8(b >> 15)
-                if a > m:
-                    m = a
+            bm[blk] = _block_absmax(row, blk * BLOCK)
+        nsat = 0
+        for blk in range(nb):
+            m = bm[blk]
             if m >= 0x7F80:
                 return n
             if m == 0:
                 scale_out[n, blk] = E8M0_ZERO_BLOCK
+                pf[blk] = np.float32(0.0)  # every y is 0: codes 0
+                continue
+            ex = np.int32(m >> 7)
+            E = ex - 127 if ex > 0 else -127
+            e0 = max(E - emax_elem, -127)
+            e1 = max(E - emax_elem + 1, -127)
+            p0 = _u32_as_f32(np.uint32(127 - e0) << 23)
+            pf[blk] = p0
+            scale_out[n, blk] = np.uint8(e0 + 127)
+            if e1 != e0 and _u32_as_f32(np.uint32(m) << 16) * p0 > ymax:
+                satb[nsat] = blk
+                sate[nsat] = e1
+                nsat += 1
+        orow = codes_out[n]
+        if fp8:
+            for blk in range(nb):
+                p = pf[blk]
+                k0 = blk * BLOCK
                 for j in range(BLOCK):
-                    c0[j] = 0
-            else:
-                ex = np.int32(m >> 7)
-                E = ex - 127 if ex > 0 else -127
-                e0 = max(E - emax_elem, -127)
-                e1 = max(E - emax_elem + 1, -127)
-                p0 = _pow2_f32(-e0, tmp)
-                for j in range(BLOCK):
-                    y0[j] = af[j] * p0
-                e = e0
-                # Shortcut (exact): when no element saturates under e0 (y <= ymax_elem), the e1 grid
-                # restricted to [0, ymax] is a subset of the e0 grid, so every element's e0 error is
-                # <= its e1 error and the rounded sums keep 4*sse1 < sse0 false: e0 wins, skip e1
-                # (and the error sums).
-                if e1 != e0 and _bits_to_f32(m, tmp) * p0 > ymax:
-                    p1 = _pow2_f32(-e1, tmp)
-                    for j in range(BLOCK):
-                        y1[j] = af[j] * p1
-                    if fp8:
-                        _e4m3_block(y0, y0u, c0, d0, ru)
-                        _e4m3_block(y1, y1u, c1, d1, ru)
-                    else:
-                        _e2m1_block(y0, c0, d0)
-                        _e2m1_block(y1, c1, d1)
-                    sse0 = _tree64(d0)
-                    sse1 = _tree64(d1)
-                    if 4.0 * sse1 < sse0:
-                        e = e1
-                        for j in range(BLOCK):
-                            c0[j] = c1[j]
-                elif fp8:
-                    _e4m3_codes(y0u, y0, c0)
-                else:
-                    _e2m1_codes(y0, c0)
-                scale_out[n, blk] = np.uint8(e + 127)
-                for j in range(BLOCK):
-                    c0[j] |= sign_bit if (c0[j] != 0) & (neg[j] != 0) else np.uint8(0)
-            if fp8:
-                for j in range(BLOCK):
-                    codes_out[n, k0 + j] = c0[j]
-            else:
-                h0 = k0 // 2
+                    orow[k0 + j] = _fp8_byte(row[k0 + j], p)
+        else:
+            row32 = row.view(np.uint32)
+            for blk in range(nb):
+                p = pf[blk]
+                h0 = blk * (BLOCK // 2)
                 for i in range(BLOCK // 2):
-                    codes_out[n, h0 + i] = c0[2 * i] | (c0[2 * i + 1] << 4)
+                    orow[h0 + i] = _fp4_byte(row32[h0 + i], p)
+        for t in range(nsat):
+            blk = satb[t]
+            e1 = sate[t]
+            k0 = blk * BLOCK
+            p1 = _u32_as_f32(np.uint32(127 - e1) << 23)
+            s0, s1 = _mx_sse_pair(row[k0:k0 + BLOCK], pf[blk], p1, fp8)
+            if np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin):
+                win1 = True
+            elif np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin):
+                win1 = False
+            else:
+                win1 = _mx_block_two(row, k0, pf[blk], p1, fp8, a, y0, y1, c0, c1, d0, d1, ru)
+            if win1:
+                scale_out[n, blk] = np.uint8(e1 + 127)
+                if fp8:
+                    for j in range(BLOCK):
+                        orow[k0 + j] = _fp8_byte(row[k0 + j], p1)
+                else:
+                    row32 = row.view(np.uint32)
+                    for i in range(BLOCK // 2):
+                        orow[k0 // 2 + i] = _fp4_byte(row32[k0 // 2 + i], p1)
     return -1
 
 
 @njit(cache=True)
-def mxfp4_kernel(w, packed_out, scale_out):
-    return _mx_kernel(w, packed_out, scale_out, 2, False)
+def mxfp4_kernel(w, packed_out, scale_out, margin=MX_SCREEN_MARGIN):
+    return _mx_kernel(w, packed_out, scale_out, 2, False, margin)
 
 
 @njit(cache=True)
-def mxfp8_kernel(w, codes_out, scale_out):
-    return _mx_kernel(w, codes_out, scale_out, 8, True)
+def mxfp8_kernel(w, codes_out, scale_out, margin=MX_SCREEN_MARGIN):
+    return _mx_kernel(w, codes_out, scale_out, 8, True, margin)
 
 
 def warmup() -> None:
