@@ -18,14 +18,17 @@ from ..errors import KimiQuantError
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="REPORT",
               help="Write the full report as JSON here.")
 @click.option("--quiet", is_flag=True, help="No per-layer progress on stderr.")
-def validate(source, quantized, calibration, max_tokens, seq_len, json_path, quiet):
+@click.option("--eager-experts", is_flag=True, hidden=True,
+              help="Load every routed expert of a layer up front (reference path; needs ~all experts in fp32).")
+def validate(source, quantized, calibration, max_tokens, seq_len, json_path, quiet, eager_experts):
     """Compare QUANTIZED (an ascendV1 output dir) with its BF16 SOURCE: perplexity on the same windows
     and per-layer cosine / relative error, with the device's activation quantization simulated."""
     from .run import format_table, run_validation
 
     try:
         report = run_validation(source, quantized, calibration=calibration, max_tokens=max_tokens,
-                                seq_len=seq_len, json_path=json_path, progress=not quiet)
+                                seq_len=seq_len, json_path=json_path, progress=not quiet,
+                                lazy_experts=not eager_experts)
     except KimiQuantError as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_table(report))
