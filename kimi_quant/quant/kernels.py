@@ -135,6 +135,22 @@ def _block_absmax(typingctx, arr, off):
 
 
 @intrinsic
+def _abs16(typingctx, x):
+    """bf16 bits without the sign bit (uint16)."""
+    def codegen(context, builder, signature, args):
+        return builder.and_(args[0], ir.Constant(_I16, 0x7FFF))
+    return types.uint16(types.uint16), codegen
+
+
+@intrinsic
+def _bf16_f32(typingctx, x):
+    """bf16 bits x as float32 (uint16 -> float32, exact)."""
+    def codegen(context, b, signature, args):
+        return b.bitcast(b.shl(b.zext(args[0], _I32), _c32(16)), _F32)
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
 def _bf16_abs_f32(typingctx, x):
     """|bf16 bits x| as float32 (uint16 -> float32)."""
     def codegen(context, b, signature, args):
@@ -175,14 +191,13 @@ def _e4m3_err(typingctx, y):
 @njit(cache=True)
 def _row_to_f32(w, n, xu):
     """bf16 row n -> float32 bits in xu (uint32 view of a float32 buffer); returns max |bits|."""
-    K = w.shape[1]
+    row = w[n]
+    xf = xu.view(np.float32)
     m = np.uint16(0)
-    for k in range(K):
-        b = w[n, k]
-        xu[k] = np.uint32(b) << 16
-        a = b & np.uint16(0x7FFF)
-        if a > m:
-            m = a
+    for k in range(row.shape[0]):
+        b = row[k]
+        xf[k] = _bf16_f32(b)
+        m = max(m, _abs16(b))
     return m
 
 
@@ -262,6 +277,57 @@ def _int4_chunk_rcp(x, wl, wh, r):
     return al, ah, aq
 
 
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _int4_chunk_rcp4(x, wl, wh, r0, r1, r2, r3, acc):
+    """``_int4_chunk_rcp`` for four reciprocals at once (one read of x, wl, wh); acc[3 * c + i] += sums."""
+    a0 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    q0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    q1 = np.float32(0.0)
+    a2 = np.float32(0.0)
+    b2 = np.float32(0.0)
+    q2 = np.float32(0.0)
+    a3 = np.float32(0.0)
+    b3 = np.float32(0.0)
+    q3 = np.float32(0.0)
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    for k in range(x.shape[0]):
+        xk = x[k]
+        lk = wl[k]
+        hk = wh[k]
+        t = min(max(np.rint(xk * r0), lo), hi)
+        a0 += lk * t
+        b0 += hk * t
+        q0 += t * t
+        t = min(max(np.rint(xk * r1), lo), hi)
+        a1 += lk * t
+        b1 += hk * t
+        q1 += t * t
+        t = min(max(np.rint(xk * r2), lo), hi)
+        a2 += lk * t
+        b2 += hk * t
+        q2 += t * t
+        t = min(max(np.rint(xk * r3), lo), hi)
+        a3 += lk * t
+        b3 += hk * t
+        q3 += t * t
+    acc[0] += np.float64(a0)
+    acc[1] += np.float64(b0)
+    acc[2] += np.float64(q0)
+    acc[3] += np.float64(a1)
+    acc[4] += np.float64(b1)
+    acc[5] += np.float64(q1)
+    acc[6] += np.float64(a2)
+    acc[7] += np.float64(b2)
+    acc[8] += np.float64(q2)
+    acc[9] += np.float64(a3)
+    acc[10] += np.float64(b3)
+    acc[11] += np.float64(q3)
+
+
 @njit(cache=True)
 def _int4_pass(xf, wl, wh, sr, by_div, limb_scale, chunk):
     """(sum(wf q), sum(q q)) with wf = wh * limb_scale + wl, exact in float64, for
@@ -318,11 +384,28 @@ def _int4_row_scale(xf, wl, wh, amax_bits, tmp, grid, max_iters, out_div):
     sxq = 0.0
     sqq = 0.0
     div = True
-    for g in range(grid.shape[0]):
+    G = grid.shape[0]
+    fused = G == 5  # the four non-absmax grid points in one pass, when all their reciprocals are finite
+    for g in range(1, G):
+        fused = fused and np.isfinite(_rcp_f32(s0 * grid[g]))
+    if fused:
+        acc = np.zeros(12, dtype=np.float64)
+        r1 = _rcp_f32(s0 * grid[1])
+        r2 = _rcp_f32(s0 * grid[2])
+        r3 = _rcp_f32(s0 * grid[3])
+        r4 = _rcp_f32(s0 * grid[4])
+        for c in range(0, K, INT4_CHUNK):
+            e = min(c + INT4_CHUNK, K)
+            _int4_chunk_rcp4(xf[c:e], wl[c:e], wh[c:e], r1, r2, r3, r4, acc)
+    for g in range(G):
         st = s0 * grid[g]
         r = _rcp_f32(st)
         dv = g == 0 or not np.isfinite(r)
-        a, b = _int4_pass(xf, wl, wh, st if dv else r, dv, np.float64(limb), INT4_CHUNK)
+        if fused and g > 0:
+            i = 3 * (g - 1)
+            a, b = acc[i + 1] * np.float64(limb) + acc[i], acc[i + 2]
+        else:
+            a, b = _int4_pass(xf, wl, wh, st if dv else r, dv, np.float64(limb), INT4_CHUNK)
         a = a * pinv
         sd = np.float64(st)
         e_t = sd * sd * b - 2.0 * sd * a
