@@ -63,8 +63,12 @@ def token_windows(model_dir: str | Path, calibration: str | Path | None, max_tok
 
 
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
-    lp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
-    nll = -lp.gather(-1, ids[:, 1:].unsqueeze(-1)).sum().item()
+    """Summed NLL of ids[:, 1:] under logits[:, :-1]. The fp64 log-softmax is formed one window at a
+    time (a [T, V] fp64 temporary, not [B, T, V]: 1.3 GB instead of 10.7 GB at V=163840, 8 x 512
+    tokens); the picked log-probabilities are summed in one reduction as before."""
+    picked = [torch.log_softmax(logits[b, :-1].double(), dim=-1).gather(-1, ids[b, 1:].unsqueeze(-1))
+              for b in range(logits.shape[0])]
+    nll = -torch.stack(picked).sum().item()
     return nll, ids[:, 1:].numel()
 
 
