@@ -69,16 +69,63 @@ def run_validate(src: Path, q: Path, args, report: Path) -> dict:
             "ppl_quant": rep["ppl_quant"], "ratio": rep["ratio"], "tokens": rep["tokens"]}
 
 
+def estimate(tokens: int, seq_len: int, overhead_gb: float) -> None:
+    """Peak memory of the lazy path on the full-size K3.1 Pro, from the config (fp32 everywhere, GB = 1e9 B).
+
+    states  = 2 models x (1 + ceil(L / B)) tensors x N x H x 4        (x and the residual blocks)
+    layer   = max over layers of the non-routed-expert params x 4 + one expert (3 x I x R x 4)
+              + attention temporaries (MLA scores/softmax/mask 3 x N x heads x T x 4, indexer 2 x N x ih x T x 4)
+    head    = V x H x 4 (one lm_head) + 2 x N x V x 4 (logits of model 0 kept for the logits agreement +
+              one batch of model 1) + 2 x T x V x 8 (fp64 log-softmax of one window)
+    peak    = overhead + states + max(layer, head)
+    eager (before) adds every routed expert of a layer: E x 3 x I x R x 4, and kept embed + lm_head of both models.
+    """
+    import math
+
+    from kimi_quant.model.presets import preset_config
+    from kimi_quant.model.spec import spec_from_config
+
+    spec = spec_from_config(preset_config("full"))
+    c, t = spec.text, spec.expected_tensors(with_vision=False)
+    N, T, H, V, L = tokens, seq_len, c.hidden_size, c.vocab_size, c.num_hidden_layers
+    dense = experts = 0
+    for i in range(L):
+        lp = f"{spec.prefix}model.layers.{i}."
+        d = sum(math.prod(v[0]) for n, v in t.items() if n.startswith(lp) and ".experts." not in n)
+        e = sum(math.prod(v[0]) for n, v in t.items() if n.startswith(lp) and ".experts." in n)
+        dense, experts = max(dense, d), max(experts, e)
+    one_expert = 3 * c.moe_intermediate_size * c.routed_expert_hidden_size
+    nb = 1 + math.ceil(L / (c.attn_res_block_size or L))
+    states = 2 * nb * N * H * 4
+    attn = 3 * N * c.num_attention_heads * T * 4 + 2 * N * int(c.index_n_heads or 0) * T * 4
+    layer = dense * 4 + one_expert * 4 + attn
+    head = V * H * 4 + 2 * N * V * 4 + 2 * T * V * 8
+    G = 1e9
+    print(f"full size, N={N} tokens, T={T}: states {states / G:.1f} GB, layer phase {layer / G:.1f} GB "
+          f"(dense part {dense * 4 / G:.1f} + one expert {one_expert * 4 / G:.2f} + attention {attn / G:.1f}), "
+          f"head phase {head / G:.1f} GB, overhead {overhead_gb:.1f} GB")
+    print(f"  lazy peak  ~ {overhead_gb + (states + max(layer, head)) / G:.1f} GB")
+    eager = overhead_gb + (states + dense * 4 + experts * 4 + attn + 4 * V * H * 4) / G
+    print(f"  eager peak ~ {eager:.1f} GB (all {experts / one_expert:.0f} experts of a layer: {experts * 4 / G:.0f} GB)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--work", type=Path)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--eager", action="store_true", help="reference path: every expert of a layer in fp32")
     ap.add_argument("--tree", default=None, help="run the kimi_quant package in this directory")
+    ap.add_argument("--estimate", type=float, default=None, metavar="OVERHEAD_GB",
+                    help="only print the full-size estimate, with this fixed overhead (interpreter, torch, heap)")
     args = ap.parse_args()
+    if args.estimate is not None:
+        estimate(args.max_tokens, args.seq_len, args.estimate)
+        return
+    if args.work is None:
+        ap.error("--work is required")
     args.work.mkdir(parents=True, exist_ok=True)
     src = prepare(args.work, args.experts, args.targets)
     label = "tree" if args.tree else ("eager" if args.eager else "lazy")
