@@ -16,10 +16,10 @@ from test_validate_run import FIXTURE, _expert_types, write_ascend_dir
 torch.set_num_threads(1)
 
 TYPES = {"int": ("W4A8_DYNAMIC", "W8A8_DYNAMIC"), "mx": ("W4A8_MXFP", "W8A8_MXFP8")}
-# computed with the pre-lazy code (commit bad1d78) on the trained tiny fixture:
-# (ppl_bf16, ppl_quant, last layer rel_error, logits cosine) for max_tokens=450, seq_len=200
-BEFORE = {"int": (1.3346392301324574, 1.3365897792149692, 0.22082709461317124, 0.9959037413181507),
-          "mx": (1.3346392301324574, 1.3395947553309437, 0.2716658607875186, 0.9934307074071979)}
+# BF16 perplexity of the trained tiny fixture, max_tokens=450, seq_len=200, computed with the pre-lazy
+# code (commit bad1d78). The quantized side is pinned by lazy == eager instead (its numbers move with
+# the codecs, which are not this module's).
+PPL_BF16_BEFORE = 1.3346392301324574
 
 
 @pytest.fixture(scope="module", params=sorted(TYPES))
@@ -35,8 +35,7 @@ def test_lazy_report_equals_eager_and_pre_change_numbers(qdir):
     eager = run_validation(FIXTURE, q, max_tokens=450, seq_len=200, progress=False, lazy_experts=False)
     lazy.pop("wall_s"), eager.pop("wall_s")
     assert lazy == eager  # every float, bit for bit
-    got = (lazy["ppl_bf16"], lazy["ppl_quant"], lazy["layers"][-1]["rel_error"], lazy["logits"]["cosine"])
-    assert got == pytest.approx(BEFORE[kind], rel=1e-9, abs=0)
+    assert lazy["ppl_bf16"] == pytest.approx(PPL_BF16_BEFORE, rel=1e-12, abs=0)
 
 
 class _Tracking(Mapping):
