@@ -34,6 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .numerics import (BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_CHUNK, INT4_FIX_BITS, INT4_GRID, INT4_LIMB_BITS,
+                       INT4_M_BITS, INT4_M_CHUNK,
                        INT4_MAX_ITERS)
 from . import numerics as _nm
 
@@ -328,14 +329,106 @@ def _int4_chunk_rcp4(x, wl, wh, r0, r1, r2, r3, acc):
     acc[11] += np.float64(q3)
 
 
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _int4_pass_m(x, wm, sr, by_div):
+    """One-limb pass: (sum(wm q), sum(q q)) as exact float64, for q = clip(rint(x / sr)) (by_div) or
+    clip(rint(x * sr)); wm = trunc(x 2^(14-e)).  |wm| < 2^14 and |q| <= 8, so any partial sum of
+    <= INT4_M_CHUNK = 128 products is < 2^24: exact in float32 whatever the order (vectorised,
+    FMA-contracted); the chunk sums are integers < 2^53, exact in float64 in any order too."""
+    K = x.shape[0]
+    sh = 0.0
+    sq = 0.0
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    for c in range(0, K, INT4_M_CHUNK):
+        e = min(c + INT4_M_CHUNK, K)
+        ah = np.float32(0.0)
+        aq = np.float32(0.0)
+        xc = x[c:e]  # slices: indices from 0 vectorise (c + k would carry a negative-index check)
+        wc = wm[c:e]
+        if by_div:
+            for k in range(xc.shape[0]):
+                t = min(max(np.rint(xc[k] / sr), lo), hi)
+                ah += wc[k] * t
+                aq += t * t
+        else:
+            for k in range(xc.shape[0]):
+                t = min(max(np.rint(xc[k] * sr), lo), hi)
+                ah += wc[k] * t
+                aq += t * t
+        sh += np.float64(ah)
+        sq += np.float64(aq)
+    return sh, sq
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _int4_pass_m4(x, wm, r1, r2, r3, r4, acc):
+    """``_int4_pass_m`` by reciprocal for four candidates in one read of the row: acc[2 i], acc[2 i + 1]."""
+    K = x.shape[0]
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    acc[:8] = 0.0
+    for c in range(0, K, INT4_M_CHUNK):
+        e = min(c + INT4_M_CHUNK, K)
+        xc = x[c:e]
+        wc = wm[c:e]
+        a1 = np.float32(0.0)
+        q1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        q2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        q3 = np.float32(0.0)
+        a4 = np.float32(0.0)
+        q4 = np.float32(0.0)
+        for k in range(xc.shape[0]):
+            xk = xc[k]
+            mk = wc[k]
+            t = min(max(np.rint(xk * r1), lo), hi)
+            a1 += mk * t
+            q1 += t * t
+            t = min(max(np.rint(xk * r2), lo), hi)
+            a2 += mk * t
+            q2 += t * t
+            t = min(max(np.rint(xk * r3), lo), hi)
+            a3 += mk * t
+            q3 += t * t
+            t = min(max(np.rint(xk * r4), lo), hi)
+            a4 += mk * t
+            q4 += t * t
+        acc[0] += np.float64(a1)
+        acc[1] += np.float64(q1)
+        acc[2] += np.float64(a2)
+        acc[3] += np.float64(q2)
+        acc[4] += np.float64(a3)
+        acc[5] += np.float64(q3)
+        acc[6] += np.float64(a4)
+        acc[7] += np.float64(q4)
+
+
 @njit(cache=True)
-def _int4_pass(xf, wl, wh, sr, by_div, limb_scale, chunk):
+def _int4_one_limb(vstar, sr, by_div):
+    """True when the one-limb pass is exact: wm = trunc(x 2^(14-e)) = wf / 2^10 exactly unless
+    |x| < 2^(e-7) (a bf16 x has 8 significant bits; wm's unit is 2^(e-14)), and those all quantize
+    to 0 iff the largest such bf16 magnitude vstar = (1 - 2^-8) 2^(e-7) does (rint(x * r) and
+    rint(x / s) are monotone in |x|).  Then sum(wf q) = 2^10 sum(wm q) exactly.  vstar = 0 disables
+    the shortcut (rows so tiny that vstar would not be a normal float32)."""
+    if vstar == 0:
+        return False
+    t = np.rint(vstar / sr) if by_div else np.rint(vstar * sr)
+    return t == 0
+
+
+@njit(cache=True)
+def _int4_pass(xf, wl, wh, wm, sr, by_div, limb_scale, chunk, vstar):
     """(sum(wf q), sum(q q)) with wf = wh * limb_scale + wl, exact in float64, for
     q = clip(rint(x / sr), -8, 7) (by_div) or clip(rint(x * sr), -8, 7) (sr = float32(1/s))."""
     K = xf.shape[0]
     sl = 0.0
     sh = 0.0
     sq = 0.0
+    if _int4_one_limb(vstar, sr, by_div):
+        sm, sq = _int4_pass_m(xf, wm, sr, by_div)
+        return sm * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS)), sq
     for c in range(0, K, chunk):
         e = min(c + chunk, K)
         if by_div:
@@ -355,7 +448,7 @@ def _rcp_f32(s):
 
 
 @njit(cache=True)
-def _int4_row_scale(xf, wl, wh, amax_bits, tmp, grid, max_iters, out_div):
+def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, acc):
     """numerics.int4_search_scale for one row whose float32 values are in xf; out_div[0] = by_div."""
     K = xf.shape[0]
     out_div[0] = True
@@ -372,12 +465,16 @@ def _int4_row_scale(xf, wl, wh, amax_bits, tmp, grid, max_iters, out_div):
     p2 = np.float32(math.ldexp(1.0, k // 2))
     limb = np.float32(1 << INT4_LIMB_BITS)
     limb_inv = np.float32(1.0) / limb
+    m_inv = np.float32(1.0 / (1 << (INT4_FIX_BITS - INT4_M_BITS)))  # wm = trunc(wf / 2^10) = trunc(x 2^(14-e))
     # trunc via int32 conversion (|v| < 2^24; vectorises, unlike a truncf call)
     for i in range(K):
         v = np.float32(np.int32((xf[i] * p1) * p2))
         h = np.float32(np.int32(v * limb_inv))
         wh[i] = h
         wl[i] = v - h * limb
+        wm[i] = np.float32(np.int32(v * m_inv))
+    # largest bf16 magnitude below 2^(e-7) (see _int4_one_limb), 0 when it would not be a normal float32
+    vstar = np.float32(math.ldexp(1.0 - 2.0**-8, e - 7)) if e - 7 > -126 else np.float32(0.0)
     s0 = amax / np.float32(7.0)
     s = s0
     best = 0.0
@@ -388,24 +485,32 @@ def _int4_row_scale(xf, wl, wh, amax_bits, tmp, grid, max_iters, out_div):
     fused = G == 5  # the four non-absmax grid points in one pass, when all their reciprocals are finite
     for g in range(1, G):
         fused = fused and np.isfinite(_rcp_f32(s0 * grid[g]))
+    one = False
     if fused:
-        acc = np.zeros(12, dtype=np.float64)
         r1 = _rcp_f32(s0 * grid[1])
         r2 = _rcp_f32(s0 * grid[2])
         r3 = _rcp_f32(s0 * grid[3])
         r4 = _rcp_f32(s0 * grid[4])
-        for c in range(0, K, INT4_CHUNK):
-            e = min(c + INT4_CHUNK, K)
-            _int4_chunk_rcp4(xf[c:e], wl[c:e], wh[c:e], r1, r2, r3, r4, acc)
+        # the largest reciprocal decides for all four (the one-limb test is monotone in r)
+        one = _int4_one_limb(vstar, max(max(r1, r2), max(r3, r4)), False)
+        if one:
+            _int4_pass_m4(xf, wm, r1, r2, r3, r4, acc)
+        else:
+            acc.fill(0.0)
+            for c in range(0, K, INT4_CHUNK):
+                e = min(c + INT4_CHUNK, K)
+                _int4_chunk_rcp4(xf[c:e], wl[c:e], wh[c:e], r1, r2, r3, r4, acc)
     for g in range(G):
         st = s0 * grid[g]
         r = _rcp_f32(st)
         dv = g == 0 or not np.isfinite(r)
-        if fused and g > 0:
+        if fused and one and g > 0:
+            a, b = acc[2 * (g - 1)] * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS)), acc[2 * (g - 1) + 1]
+        elif fused and g > 0:
             i = 3 * (g - 1)
             a, b = acc[i + 1] * np.float64(limb) + acc[i], acc[i + 2]
         else:
-            a, b = _int4_pass(xf, wl, wh, st if dv else r, dv, np.float64(limb), INT4_CHUNK)
+            a, b = _int4_pass(xf, wl, wh, wm, st if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar)
         a = a * pinv
         sd = np.float64(st)
         e_t = sd * sd * b - 2.0 * sd * a
@@ -419,7 +524,7 @@ def _int4_row_scale(xf, wl, wh, amax_bits, tmp, grid, max_iters, out_div):
             break
         r = _rcp_f32(s_new)
         dv = not np.isfinite(r)
-        a, b = _int4_pass(xf, wl, wh, s_new if dv else r, dv, np.float64(limb), INT4_CHUNK)
+        a, b = _int4_pass(xf, wl, wh, wm, s_new if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar)
         a = a * pinv
         sd = np.float64(s_new)
         e_new = sd * sd * b - 2.0 * sd * a
@@ -462,13 +567,13 @@ def _int4_row_final(xf, s, by_div, qrow, chunks, qsum):
 
 
 @njit(cache=True)
-def _int4_row(w, n, xu, wl, wh, qrow, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters):
+def _int4_row(w, n, xu, wl, wh, wm, qrow, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters, acc):
     """Search the scale of row n, write its scale and scale_bias, leave its codes in qrow; -1 or n if non-finite."""
     m = _row_to_f32(w, n, xu)
     if m >= 0x7F80:
         return n
     xf = xu.view(np.float32)
-    s = _int4_row_scale(xf, wl, wh, m, tmp, grid, max_iters, bdiv)
+    s = _int4_row_scale(xf, wl, wh, wm, m, tmp, grid, max_iters, bdiv, acc)
     s_out[n, 0] = s
     chunks = qsum.shape[0]
     _int4_row_final(xf, s, bdiv[0], qrow, chunks, qsum)
@@ -487,16 +592,18 @@ def int4_kernel(w, packed_out, s_out, bias_out, grid, max_iters):
     xu = np.empty(K, dtype=np.uint32)
     wl = np.empty(K, dtype=np.float32)
     wh = np.empty(K, dtype=np.float32)
+    wm = np.empty(K, dtype=np.float32)
     bdiv = np.empty(1, dtype=np.bool_)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
     qsum = np.empty(bias_out.shape[1], dtype=np.int64)
     tmp = np.empty(1, dtype=np.uint32)
+    acc = np.empty(12, dtype=np.float64)
     for j in range(N // 2):
-        bad = _int4_row(w, 2 * j, xu, wl, wh, q0, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters)
+        bad = _int4_row(w, 2 * j, xu, wl, wh, wm, q0, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters, acc)
         if bad >= 0:
             return bad
-        bad = _int4_row(w, 2 * j + 1, xu, wl, wh, q1, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters)
+        bad = _int4_row(w, 2 * j + 1, xu, wl, wh, wm, q1, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters, acc)
         if bad >= 0:
             return bad
         for k in range(K):

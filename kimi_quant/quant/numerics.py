@@ -38,6 +38,11 @@ INT4_MAX_ITERS = 6
 INT4_FIX_BITS = 24
 INT4_LIMB_BITS = 12
 INT4_CHUNK = 512
+#: the kernel's cheaper one-limb pass: wm = trunc(w 2^(INT4_M_BITS - e)) (|wm| < 2^14, 128 products
+#: < 2^24), used for a candidate scale only when every w it drops bits of quantizes to 0 there, so
+#: sum(wf q) = 2^10 sum(wm q) exactly (the numbers, and so the result, are the same as here)
+INT4_M_BITS = 14
+INT4_M_CHUNK = 128
 #: largest K for which the int4 accumulator is provably exact (see ``_int4_fixed_point``)
 INT4_MAX_K = 1 << 17
 
