@@ -419,7 +419,26 @@ def _int4_one_limb(vstar, sr, by_div):
 
 
 @njit(cache=True)
-def _int4_pass(xf, wl, wh, wm, sr, by_div, limb_scale, chunk, vstar):
+def _int4_limbs(xf, wl, wh, p1, p2, lim):
+    """wf = trunc(x * 2^k) (< 2^24 in magnitude: exact in float32), split into two 12-bit limbs
+    (wh, wl), all in float32 lanes, computed once per row on first use (lim[0]).  2^k = p1 * p2 is
+    applied in two exact power-of-two steps (each within float32 range); a step that lands in the
+    subnormal range only does so for values whose trunc is 0 anyway.  trunc via int32 conversion
+    (|v| < 2^24; vectorises, unlike a truncf call)."""
+    if lim[0]:
+        return
+    lim[0] = True
+    limb = np.float32(1 << INT4_LIMB_BITS)
+    limb_inv = np.float32(1.0) / limb
+    for i in range(xf.shape[0]):
+        v = np.float32(np.int32((xf[i] * p1) * p2))
+        h = np.float32(np.int32(v * limb_inv))
+        wh[i] = h
+        wl[i] = v - h * limb
+
+
+@njit(cache=True)
+def _int4_pass(xf, wl, wh, wm, sr, by_div, limb_scale, chunk, vstar, p1, p2, lim):
     """(sum(wf q), sum(q q)) with wf = wh * limb_scale + wl, exact in float64, for
     q = clip(rint(x / sr), -8, 7) (by_div) or clip(rint(x * sr), -8, 7) (sr = float32(1/s))."""
     K = xf.shape[0]
@@ -429,6 +448,7 @@ def _int4_pass(xf, wl, wh, wm, sr, by_div, limb_scale, chunk, vstar):
     if _int4_one_limb(vstar, sr, by_div):
         sm, sq = _int4_pass_m(xf, wm, sr, by_div)
         return sm * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS)), sq
+    _int4_limbs(xf, wl, wh, p1, p2, lim)
     for c in range(0, K, chunk):
         e = min(c + chunk, K)
         if by_div:
@@ -458,20 +478,15 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
     _, e = math.frexp(np.float64(amax))
     k = INT4_FIX_BITS - e
     pinv = math.ldexp(1.0, -k)
-    # wf = trunc(x * 2^k) (< 2^24 in magnitude: exact in float32), split into two 12-bit limbs, all
-    # in float32 lanes.  2^k is applied in two exact power-of-two steps (each within float32 range);
-    # a step that lands in the subnormal range only does so for values whose trunc is 0 anyway.
+    # 2^k = p1 * p2 (see _int4_limbs: the two-limb split of wf is only computed if a candidate needs it)
     p1 = np.float32(math.ldexp(1.0, k - k // 2))
     p2 = np.float32(math.ldexp(1.0, k // 2))
     limb = np.float32(1 << INT4_LIMB_BITS)
-    limb_inv = np.float32(1.0) / limb
+    lim = out_div  # scratch flag: limbs computed for this row (out_div is only written at the end)
+    lim[0] = False
     m_inv = np.float32(1.0 / (1 << (INT4_FIX_BITS - INT4_M_BITS)))  # wm = trunc(wf / 2^10) = trunc(x 2^(14-e))
-    # trunc via int32 conversion (|v| < 2^24; vectorises, unlike a truncf call)
     for i in range(K):
         v = np.float32(np.int32((xf[i] * p1) * p2))
-        h = np.float32(np.int32(v * limb_inv))
-        wh[i] = h
-        wl[i] = v - h * limb
         wm[i] = np.float32(np.int32(v * m_inv))
     # largest bf16 magnitude below 2^(e-7) (see _int4_one_limb), 0 when it would not be a normal float32
     vstar = np.float32(math.ldexp(1.0 - 2.0**-8, e - 7)) if e - 7 > -126 else np.float32(0.0)
@@ -497,6 +512,7 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
             _int4_pass_m4(xf, wm, r1, r2, r3, r4, acc)
         else:
             acc.fill(0.0)
+            _int4_limbs(xf, wl, wh, p1, p2, lim)
             for c in range(0, K, INT4_CHUNK):
                 e = min(c + INT4_CHUNK, K)
                 _int4_chunk_rcp4(xf[c:e], wl[c:e], wh[c:e], r1, r2, r3, r4, acc)
@@ -510,7 +526,7 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
             i = 3 * (g - 1)
             a, b = acc[i + 1] * np.float64(limb) + acc[i], acc[i + 2]
         else:
-            a, b = _int4_pass(xf, wl, wh, wm, st if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar)
+            a, b = _int4_pass(xf, wl, wh, wm, st if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar, p1, p2, lim)
         a = a * pinv
         sd = np.float64(st)
         e_t = sd * sd * b - 2.0 * sd * a
@@ -524,7 +540,7 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
             break
         r = _rcp_f32(s_new)
         dv = not np.isfinite(r)
-        a, b = _int4_pass(xf, wl, wh, wm, s_new if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar)
+        a, b = _int4_pass(xf, wl, wh, wm, s_new if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar, p1, p2, lim)
         a = a * pinv
         sd = np.float64(s_new)
         e_new = sd * sd * b - 2.0 * sd * a
