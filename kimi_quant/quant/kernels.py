@@ -552,34 +552,31 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _int4_codes_chunk(x, sr, by_div, qrow):
-    """Codes of x into qrow (int8), q = clip(rint(x / sr)) or clip(rint(x * sr)); returns sum(q).
+def _int4_row_final(xf, s, by_div, qrow, chunks, qsum):
+    """Codes of one row into qrow (int8), q = clip(rint(x / s)) (by_div) or clip(rint(x * float32(1/s))),
+    and their sums over ``chunks`` contiguous K chunks.
 
-    The sum is of integers, |sum| <= 8 * K < 2^24: exact in float32 in any order."""
+    The sums are of integers, |sum| <= 8 * K < 2^24: exact in float32 in any order."""
+    K = xf.shape[0]
     lo = np.float32(-8.0)
     hi = np.float32(7.0)
-    acc = np.float32(0.0)
-    if by_div:
-        for k in range(x.shape[0]):
-            t = min(max(np.rint(x[k] / sr), lo), hi)
-            qrow[k] = np.int8(t)
-            acc += t
-    else:
-        for k in range(x.shape[0]):
-            t = min(max(np.rint(x[k] * sr), lo), hi)
-            qrow[k] = np.int8(t)
-            acc += t
-    return acc
-
-
-@njit(cache=True)
-def _int4_row_final(xf, s, by_div, qrow, chunks, qsum):
-    """Codes of one row into qrow (int8) and their sums over ``chunks`` contiguous K chunks."""
-    K = xf.shape[0]
     sr = s if by_div else _rcp_f32(s)
     L = K // chunks
     for c in range(chunks):
-        qsum[c] = np.int64(_int4_codes_chunk(xf[c * L:(c + 1) * L], sr, by_div, qrow[c * L:(c + 1) * L]))
+        xc = xf[c * L:(c + 1) * L]  # slices: indices from 0 vectorise
+        qc = qrow[c * L:(c + 1) * L]
+        acc = np.float32(0.0)
+        if by_div:
+            for k in range(L):
+                t = min(max(np.rint(xc[k] / sr), lo), hi)
+                qc[k] = np.int8(np.int32(t))
+                acc += t
+        else:
+            for k in range(L):
+                t = min(max(np.rint(xc[k] * sr), lo), hi)
+                qc[k] = np.int8(np.int32(t))
+                acc += t
+        qsum[c] = np.int64(acc)
 
 
 @njit(cache=True)
