@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from .numerics import (BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_CHUNK, INT4_FIX_BITS, INT4_GRID, INT4_LIMB_BITS,
                        INT4_M_BITS, INT4_M_CHUNK,
-                       INT4_MAX_ITERS)
+                       INT4_MAX_ITERS, INT4_REFIT_OMEGA)
 from . import numerics as _nm
 
 _E2M1 = E2M1_VALUES.copy()
@@ -535,7 +535,8 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
     for _ in range(max_iters):
         if not sqq > 0.0:
             break
-        s_new = np.float32(sxq / sqq)
+        sd = np.float64(s)
+        s_new = np.float32(sd + INT4_REFIT_OMEGA * (sxq / sqq - sd))
         if not (s_new > 0) or s_new == s:
             break
         r = _rcp_f32(s_new)
