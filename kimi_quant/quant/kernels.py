@@ -161,15 +161,20 @@ def _bf16_abs_f32(typingctx, x):
 
 @intrinsic
 def _e2m1_err(typingctx, y):
-    """y - e2m1_round(y) for float32 y >= 0 (exact: the grid value is summed from the same
-    comparisons, steps 0.5, 0.5, 0.5, 0.5, 1, 1, 2)."""
+    """y - e2m1_round(y) for float32 0 <= y < 8 (exact).
+
+    The E2M1 grid has spacing 2^(ey-1) in binade [2^ey, 2^(ey+1)), ey >= 0, and 0.5 below 1, so
+    v = (y + c) - c with c = 2^(max(ey, 0) + 22) rounds y to it, half to even (y < c: the sum stays
+    in c's binade, whose ulp is the spacing; the subtraction is exact), which is exactly the
+    threshold pattern of numerics.E2M1_THRESHOLDS; then v = min(v, 6) saturates (7 -> 8 -> 6 as well).
+    Plain IEEE instructions (no fast-math flags reach them), so (y + c) - c is not folded to y."""
     def codegen(context, b, signature, args):
         y = args[0]
-        steps = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0)
-        v = ir.Constant(_F32, 0.0)
-        for (t, inclusive), st in zip(E2M1_THRESHOLDS, steps):
-            cmp = b.fcmp_ordered(">=" if inclusive else ">", y, ir.Constant(_F32, t))
-            v = b.fadd(v, b.select(cmp, ir.Constant(_F32, st), ir.Constant(_F32, 0.0)))
+        ey = b.lshr(b.bitcast(y, _I32), _c32(23))
+        ey = b.select(b.icmp_unsigned(">", ey, _c32(127)), ey, _c32(127))
+        c = b.bitcast(b.shl(b.add(ey, _c32(22)), _c32(23)), _F32)
+        v = b.fsub(b.fadd(y, c), c)
+        v = b.select(b.fcmp_ordered("<", v, ir.Constant(_F32, 6.0)), v, ir.Constant(_F32, 6.0))
         return b.fsub(y, v)
     return types.float32(types.float32), codegen
 
@@ -706,21 +711,27 @@ MX_SCREEN_MARGIN = np.float32(2.0**-12)
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
-def _mx_sse_pair(blk, p0, p1, fp8):
-    """(sum d0^2, sum d1^2) in float32, any order, of the block blk (32 bf16) under scales p0 and p1."""
-    s0 = np.float32(0.0)
-    s1 = np.float32(0.0)
-    for j in range(BLOCK):
-        a = _bf16_abs_f32(blk[j])
-        if fp8:
-            d0 = _e4m3_err(a * p0)
-            d1 = _e4m3_err(a * p1)
-        else:
-            d0 = _e2m1_err(a * p0)
-            d1 = _e2m1_err(a * p1)
-        s0 += d0 * d0
-        s1 += d1 * d1
-    return s0, s1
+def _mx_screen(row, satb, sate, nsat, pf, s0o, s1o, fp8):
+    """``_mx_sse_pair`` for every saturating block of a row (one call per row): s0o[t], s1o[t]."""
+    for t in range(nsat):
+        k0 = satb[t] * BLOCK
+        blk = row[k0:k0 + BLOCK]
+        p0 = pf[satb[t]]
+        p1 = _u32_as_f32(np.uint32(127 - sate[t]) << 23)
+        s0 = np.float32(0.0)
+        s1 = np.float32(0.0)
+        for j in range(BLOCK):
+            a = _bf16_abs_f32(blk[j])
+            if fp8:
+                d0 = _e4m3_err(a * p0)
+                d1 = _e4m3_err(a * p1)
+            else:
+                d0 = _e2m1_err(a * p0)
+                d1 = _e2m1_err(a * p1)
+            s0 += d0 * d0
+            s1 += d1 * d1
+        s0o[t] = s0
+        s1o[t] = s1
 
 
 @njit(cache=True)
@@ -761,6 +772,8 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     pf = np.empty(nb, dtype=np.float32)
     satb = np.empty(nb, dtype=np.int64)
     sate = np.empty(nb, dtype=np.int32)
+    s0v = np.empty(nb, dtype=np.float32)
+    s1v = np.empty(nb, dtype=np.float32)
     a = np.empty(BLOCK, dtype=np.float32)
     y0 = np.empty(BLOCK, dtype=np.float32)
     y1 = np.empty(BLOCK, dtype=np.float32)
@@ -808,12 +821,14 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
                 h0 = blk * (BLOCK // 2)
                 for i in range(BLOCK // 2):
                     orow[h0 + i] = _fp4_byte(row32[h0 + i], p)
+        _mx_screen(row, satb, sate, nsat, pf, s0v, s1v, fp8)
         for t in range(nsat):
             blk = satb[t]
             e1 = sate[t]
             k0 = blk * BLOCK
             p1 = _u32_as_f32(np.uint32(127 - e1) << 23)
-            s0, s1 = _mx_sse_pair(row[k0:k0 + BLOCK], pf[blk], p1, fp8)
+            s0 = s0v[t]
+            s1 = s1v[t]
             if np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin):
                 win1 = True
             elif np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin):
