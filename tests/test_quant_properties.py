@@ -197,3 +197,44 @@ def test_mx_sse_screen_agrees_with_exact_path():
                 sc = np.empty_like(scale)
                 assert kern(w, out, sc, margin) == -1
                 assert np.array_equal(out, want) and np.array_equal(sc, scale), (elem, margin)
+
+
+def test_mx_element_error_helpers_exhaustive():
+    """The kernels' E2M1 / E4M3 rounding-error helpers equal y - round(y) of the reference for every
+    bf16 magnitude in the range they are used on (E2M1: y < 8; E4M3: y < 512)."""
+    from numba import njit
+
+    from kimi_quant.quant import kernels as kn
+
+    @njit
+    def errs(y, fp8):
+        out = np.empty_like(y)
+        for i in range(y.shape[0]):
+            out[i] = kn._e4m3_err(y[i]) if fp8 else kn._e2m1_err(y[i])
+        return out
+
+    y = bf16_to_f32(np.arange(0, 0x7F80, dtype=np.uint16))
+    for fp8, lim, round_fn in [(False, 8.0, nm.e2m1_round), (True, 512.0, nm.e4m3_round)]:
+        ys = y[y < lim]
+        want = ys - round_fn(ys)[1]
+        assert np.array_equal(errs(ys, fp8).view(np.uint32), want.view(np.uint32)), fp8
+
+
+def test_int4_one_limb_boundary_bit_identical():
+    """Rows where the int4 kernel's one-limb shortcut does and does not apply (small values next
+    to an outlier pull the refit scale down to where values below 2^(e-7) quantize to +-1)."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for f in [2.0**-6, 2.0**-7, 2.0**-8, 2.0**-9, 0.02]:
+        x = rng.standard_normal((4, 256)) * f
+        x[:, 0] = 1.0  # outlier: e = 1
+        rows.append(x)
+    x = np.concatenate(rows)
+    x[::3] *= 2.0**-120  # near the float32 range floor (shortcut disabled)
+    w = _bf16(x)
+    for matmul in ("gate", "down"):
+        codec = get_codec("W4A8_DYNAMIC")
+        fast = codec.quantize_bf16(w, matmul)
+        ref = codec.quantize(bf16_to_f32(w), matmul)
+        for k in fast:
+            assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (matmul, k)

@@ -10,10 +10,18 @@ exponent bits all ones); the caller turns that into ``numerics.NonFiniteWeight``
 Bit identity with the reference rests on doing the same IEEE operations in the same order:
 float32 division ``w / s``, ``rint`` (half to even), float64 sums that are either exact
 (int4: integer-valued terms) or follow the same fixed halving tree (MX block errors).
-Nothing here uses fastmath, except the int4 passes where reassociation (and FMA contraction) is
-allowed: their sums are exact integers (float64 for sum(wf q) by division, float32 chunks of
-12-bit limbs for the multiply-by-reciprocal passes, float32 for sum(q^2)), so any order gives the
-same result.
+Nothing here uses fastmath, except where the sums are exact whatever the order: the int4 passes
+(integer-valued float32 chunks of 12-bit limbs or, where provably equivalent, one 14-bit limb;
+see ``_int4_one_limb``), the int4 code sums, and the MX float32 SSE screen (``_mx_screen``: it only
+decides blocks whose margin exceeds every rounding error; the rest take the exact float64 tree).
+
+Vector width: numba types uint16/uint32 arithmetic as 64-bit, which quarters the lanes of element
+loops, and only vectorises loops whose indices it can prove non-negative.  So the element-level
+bit work is done in small LLVM intrinsics (``_fp4_byte``, ``_fp8_byte``, ``_e2m1_err``, ...) that
+stay in 32-bit lanes, and inner loops run over slices indexed from 0.  Check with
+``kernel.inspect_asm(kernel.signatures[0])`` under a fresh NUMBA_CACHE_DIR (cached code cannot be
+inspected): the hot loops should show zmm registers.
+
 The MX kernel skips the second exponent candidate when it provably cannot win (see the comment
 in ``_mx_kernel``); the reference always evaluates both, and the tests check they agree.
 
@@ -634,13 +642,6 @@ def int4_kernel(w, packed_out, s_out, bias_out, grid, max_iters):
 
 
 @njit(cache=True)
-def _pow2_f32(e, tmp):
-    """2^e as float32 for integer e in [-126, 127], from exponent bits."""
-    tmp[0] = np.uint32(e + 127) << 23
-    return tmp.view(np.float32)[0]
-
-
-@njit(cache=True)
 def _tree64(d):
     """numerics.block_sse_tree on a 32-vector of float64 squares (in place, constant trip counts)."""
     for j in range(16):
@@ -654,65 +655,22 @@ def _tree64(d):
     return d[0] + d[1]
 
 
-@njit(cache=True)
-def _e2m1_block(ya, codes, dd):
-    """Round magnitudes ya (32) on the E2M1 grid (numerics.e2m1_round): codes, squared errors (float64).
-
-    Branch-free: the code counts thresholds passed; the grid value is accumulated from the same
-    comparisons (steps 0.5, 0.5, 0.5, 0.5, 1, 1, 2), which equals E2M1_VALUES[code] exactly.
-    """
-    for j in range(BLOCK):
-        y = ya[j]
-        b1 = y > np.float32(0.25)
-        b2 = y >= np.float32(0.75)
-        b3 = y > np.float32(1.25)
-        b4 = y >= np.float32(1.75)
-        b5 = y > np.float32(2.5)
-        b6 = y >= np.float32(3.5)
-        b7 = y > np.float32(5.0)
-        codes[j] = np.uint8(b1) + np.uint8(b2) + np.uint8(b3) + np.uint8(b4) + np.uint8(b5) + np.uint8(b6) + np.uint8(b7)
-        v = (
-            np.float32(0.5) * (np.float32(b1) + np.float32(b2) + np.float32(b3) + np.float32(b4))
-            + (np.float32(b5) + np.float32(b6))
-            + np.float32(2.0) * np.float32(b7)
-        )
-        d = np.float64(y - v)
-        dd[j] = d * d
-
-
-@njit(cache=True)
-def _e4m3_block(ya, yu, codes, dd, ru):
-    """Round magnitudes ya (32, uint32 view yu) to E4M3 (numerics.e4m3_round): codes, squared errors.
-
-    Branch-free: normal-range rounding on the float32 bits (saturated at 448 = 0x43E00000 by an
-    integer min, valid since the values are non-negative), subnormal range via rint(y * 512).
-    ru: uint32 scratch (32) whose float32 view carries the rounded values.
-    """
-    rf = ru.view(np.float32)
-    for j in range(BLOCK):
-        u = yu[j]
-        y = ya[j]
-        rn = min((u + np.uint32(0x7FFFF) + ((u >> 20) & np.uint32(1))) & np.uint32(0xFFF00000), np.uint32(0x43E00000))
-        cn = (((rn >> 23) - np.uint32(120)) << 3) | ((rn >> 20) & np.uint32(7))
-        ms = np.rint(y * np.float32(512.0))
-        sub = y < np.float32(2.0**-6)
-        codes[j] = np.uint8(np.uint32(ms) if sub else cn)
-        ru[j] = rn
-    for j in range(BLOCK):
-        y = ya[j]
-        r = np.rint(y * np.float32(512.0)) * np.float32(2.0**-9) if y < np.float32(2.0**-6) else rf[j]
-        d = np.float64(y - r)
-        dd[j] = d * d
-
-
-#: relative margin of the float32 SSE screen in ``_mx_kernel`` (see there); the tests also run
-#: the kernel with a margin so large that every saturating block takes the exact float64 path.
+#: relative margin of the float32 SSE screen of ``_mx_kernel`` (E2M1); the tests also run the
+#: kernel with an infinite margin, where every saturating block takes the exact rule.
 MX_SCREEN_MARGIN = np.float32(2.0**-12)
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
 def _mx_screen(row, satb, sate, nsat, pf, s0o, s1o, fp8):
-    """``_mx_sse_pair`` for every saturating block of a row (one call per row): s0o[t], s1o[t]."""
+    """(S0, S1) = float32 sums of d0^2, d1^2 (any order) of each saturating block t of a row.
+
+    Why a screen is exact: d = y - v is exact in float32 (as in the reference), so with T0, T1 the
+    exact sums, |S - T| <= ~33 * 2^-24 T (each square and each addition rounds once; squares that
+    underflow to float32 subnormals add < 2^-149 each, negligible as T0 >= 2^-10 for a saturating
+    E2M1 block), and the reference's float64 trees are within ~6 * 2^-53 T.  So when
+    4 S1 < S0 (1 - margin) with margin = 2^-12, 4 T1 < T0 (1 - 2^-13) and the reference's
+    4 tree(d1^2) < tree(d0^2) holds too (e1 wins); when 4 S1 > S0 (1 + margin) it fails (e0).
+    Anything in between goes to ``_mx_exact_row``.  The only fast-math ops here are the sums."""
     for t in range(nsat):
         k0 = satb[t] * BLOCK
         blk = row[k0:k0 + BLOCK]
@@ -735,21 +693,26 @@ def _mx_screen(row, satb, sate, nsat, pf, s0o, s1o, fp8):
 
 
 @njit(cache=True)
-def _mx_block_two(row, k0, p0, p1, fp8, a, y0, y1, c0, c1, d0, d1, ru):
-    """Both exponent candidates of the block at k0 (scales p0 = 2^-e0, p1 = 2^-e1): True if e1 wins
-    (its magnitude codes are then in c1), by the block SSE rule of numerics.mx_quantize_blocks."""
-    for j in range(BLOCK):
-        a[j] = _u32_as_f32(np.uint32(row[k0 + j] & np.uint16(0x7FFF)) << 16)
-    for j in range(BLOCK):
-        y0[j] = a[j] * p0
-        y1[j] = a[j] * p1
-    if fp8:
-        _e4m3_block(y0, y0.view(np.uint32), c0, d0, ru)
-        _e4m3_block(y1, y1.view(np.uint32), c1, d1, ru)
-    else:
-        _e2m1_block(y0, c0, d0)
-        _e2m1_block(y1, c1, d1)
-    return 4.0 * _tree64(d1) < _tree64(d0)
+def _mx_exact_row(row, satb, sate, nsat, pf, win, fp8, d0, d1):
+    """win[t] = e1 wins for each saturating block t of a row, by the exact rule of
+    numerics.mx_quantize_blocks: squares in float64, summed by the fixed halving tree (_tree64).
+    Element-wise loops of constant length (no reductions): vectorised without fast-math."""
+    for t in range(nsat):
+        k0 = satb[t] * BLOCK
+        blk = row[k0:k0 + BLOCK]
+        p0 = pf[satb[t]]
+        p1 = _u32_as_f32(np.uint32(127 - sate[t]) << 23)
+        for j in range(BLOCK):
+            a = _bf16_abs_f32(blk[j])
+            if fp8:
+                e0 = np.float64(_e4m3_err(a * p0))
+                e1 = np.float64(_e4m3_err(a * p1))
+            else:
+                e0 = np.float64(_e2m1_err(a * p0))
+                e1 = np.float64(_e2m1_err(a * p1))
+            d0[j] = e0 * e0
+            d1[j] = e1 * e1
+        win[t] = 4.0 * _tree64(d1) < _tree64(d0)
 
 
 @njit(cache=True)
@@ -761,7 +724,9 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     Per row: (1) block maxima on the bf16 bits; (2) per block the OCP exponent e0, its scale and
     whether the block saturates under e0; (3) codes of the whole row under e0, in vector lanes
     (E2M1 two elements per uint32 word of bf16 pairs, packed straight into the output byte);
-    (4) the saturating blocks only: both candidates with their SSE, codes rewritten if e1 wins.
+    (4) the saturating blocks only: both candidates with their SSE, codes rewritten if e1 wins
+    (E2M1: a float32 screen decides all but ~0.1% of them, see ``_mx_screen``, the rest take the
+    exact float64 tree; E4M3: always the exact tree, a third of its saturating blocks tie exactly).
     Skipping (4) for the other blocks is exact: when no element saturates under e0 (y <= ymax_elem),
     the e1 grid restricted to [0, ymax] is a subset of the e0 grid, so every element's e0 error is
     <= its e1 error and the rounded sums keep 4*sse1 < sse0 false: e0 wins.
@@ -772,16 +737,15 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     pf = np.empty(nb, dtype=np.float32)
     satb = np.empty(nb, dtype=np.int64)
     sate = np.empty(nb, dtype=np.int32)
+    winv = np.empty(nb, dtype=np.bool_)
+    winu = np.empty(nb, dtype=np.bool_)
     s0v = np.empty(nb, dtype=np.float32)
     s1v = np.empty(nb, dtype=np.float32)
-    a = np.empty(BLOCK, dtype=np.float32)
-    y0 = np.empty(BLOCK, dtype=np.float32)
-    y1 = np.empty(BLOCK, dtype=np.float32)
-    c0 = np.empty(BLOCK, dtype=np.uint8)
-    c1 = np.empty(BLOCK, dtype=np.uint8)
+    undb = np.empty(nb, dtype=np.int64)
+    unde = np.empty(nb, dtype=np.int32)
+    undt = np.empty(nb, dtype=np.int64)
     d0 = np.empty(BLOCK, dtype=np.float64)
     d1 = np.empty(BLOCK, dtype=np.float64)
-    ru = np.empty(BLOCK, dtype=np.uint32)
     ymax = np.float32(448.0) if fp8 else np.float32(6.0)
     for n in range(N):
         row = w[n]
@@ -821,20 +785,35 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
                 h0 = blk * (BLOCK // 2)
                 for i in range(BLOCK // 2):
                     orow[h0 + i] = _fp4_byte(row32[h0 + i], p)
-        _mx_screen(row, satb, sate, nsat, pf, s0v, s1v, fp8)
+        if fp8:
+            # E4M3: about a third of the saturating blocks tie exactly (4 sse1 == sse0), which no
+            # screen can decide; the exact rule directly is cheaper
+            _mx_exact_row(row, satb, sate, nsat, pf, winv, fp8, d0, d1)
+        else:
+            _mx_screen(row, satb, sate, nsat, pf, s0v, s1v, fp8)
+            nund = 0
+            for t in range(nsat):
+                s0 = s0v[t]
+                s1 = s1v[t]
+                if np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin):
+                    winv[t] = True
+                elif np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin):
+                    winv[t] = False
+                else:  # too close for the screen: the exact rule
+                    undb[nund] = satb[t]
+                    unde[nund] = sate[t]
+                    undt[nund] = t
+                    nund += 1
+            if nund > 0:
+                _mx_exact_row(row, undb, unde, nund, pf, winu, fp8, d0, d1)
+                for i in range(nund):
+                    winv[undt[i]] = winu[i]
         for t in range(nsat):
             blk = satb[t]
             e1 = sate[t]
             k0 = blk * BLOCK
             p1 = _u32_as_f32(np.uint32(127 - e1) << 23)
-            s0 = s0v[t]
-            s1 = s1v[t]
-            if np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin):
-                win1 = True
-            elif np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin):
-                win1 = False
-            else:
-                win1 = _mx_block_two(row, k0, pf[blk], p1, fp8, a, y0, y1, c0, c1, d0, d1, ru)
+            win1 = winv[t]
             if win1:
                 scale_out[n, blk] = np.uint8(e1 + 127)
                 if fp8:
