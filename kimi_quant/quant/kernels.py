@@ -375,6 +375,34 @@ def _int4_pass_m(x, wm, sr, by_div):
 
 
 @njit(cache=True, fastmath={"reassoc", "contract"})
+def _int4_split_g0(x, wm, pm, s0):
+    """Writes wm = trunc(x * pm) (pm = 2^(14-e), one exact power-of-two multiply: nothing for
+    fastmath to reassociate) and returns ``_int4_pass_m`` for the absmax candidate (by division)
+    in the same read of the row."""
+    K = x.shape[0]
+    sh = 0.0
+    sq = 0.0
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    for c in range(0, K, INT4_M_CHUNK):
+        e = min(c + INT4_M_CHUNK, K)
+        xc = x[c:e]
+        wc = wm[c:e]
+        ah = np.float32(0.0)
+        aq = np.float32(0.0)
+        for k in range(xc.shape[0]):
+            xk = xc[k]
+            mk = np.float32(np.int32(xk * pm))
+            wc[k] = mk
+            t = min(max(np.rint(xk / s0), lo), hi)
+            ah += mk * t
+            aq += t * t
+        sh += np.float64(ah)
+        sq += np.float64(aq)
+    return sh, sq
+
+
+@njit(cache=True, fastmath={"reassoc", "contract"})
 def _int4_pass_m4(x, wm, r1, r2, r3, r4, acc):
     """``_int4_pass_m`` by reciprocal for four candidates in one read of the row: acc[2 i], acc[2 i + 1]."""
     K = x.shape[0]
@@ -498,12 +526,20 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
     lim = out_div  # scratch flag: limbs computed for this row (out_div is only written at the end)
     lim[0] = False
     m_inv = np.float32(1.0 / (1 << (INT4_FIX_BITS - INT4_M_BITS)))  # wm = trunc(wf / 2^10) = trunc(x 2^(14-e))
-    for i in range(K):
-        v = np.float32(np.int32((xf[i] * p1) * p2))
-        wm[i] = np.float32(np.int32(v * m_inv))
     # largest bf16 magnitude below 2^(e-7) (see _int4_one_limb), 0 when it would not be a normal float32
     vstar = np.float32(math.ldexp(1.0 - 2.0**-8, e - 7)) if e - 7 > -126 else np.float32(0.0)
     s0 = amax / np.float32(7.0)
+    g0_one = _int4_one_limb(vstar, s0, True)
+    a0 = 0.0
+    b0 = 0.0
+    if g0_one:
+        # vstar != 0, so 2^(14-e) is a normal float32: wm in one multiply, with the g0 pass
+        a0, b0 = _int4_split_g0(xf, wm, np.float32(math.ldexp(1.0, INT4_M_BITS - e)), s0)
+        a0 = a0 * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS))
+    else:
+        for i in range(K):
+            v = np.float32(np.int32((xf[i] * p1) * p2))
+            wm[i] = np.float32(np.int32(v * m_inv))
     s = s0
     best = 0.0
     sxq = 0.0
@@ -533,7 +569,9 @@ def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, ac
         st = s0 * grid[g]
         r = _rcp_f32(st)
         dv = g == 0 or not np.isfinite(r)
-        if fused and one and g > 0:
+        if g == 0 and g0_one:
+            a, b = a0, b0
+        elif fused and one and g > 0:
             a, b = acc[2 * (g - 1)] * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS)), acc[2 * (g - 1) + 1]
         elif fused and g > 0:
             i = 3 * (g - 1)
