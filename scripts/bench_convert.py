@@ -83,7 +83,8 @@ def synth(work: Path, experts: int) -> Path:
     return src
 
 
-def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str) -> list[dict]:
+def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str,
+          extra: list[str] = ()) -> list[dict]:
     """Convert ``src`` for each target into ``work`` (put it on tmpfs to measure compute, not the disk)."""
     rows = []
     read_bw, nbytes = read_gbps(src)
@@ -94,9 +95,10 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
         cmd = ["kimi-quant", "convert", str(src), "-t", target, "-o", str(out), "--max-shard-size", shard, "--quiet"]
         if workers:
             cmd += ["--workers", str(workers)]
+        cmd += list(extra)
         r = run_measured(cmd)
         gbps = nbytes / r["seconds"] / 1e9
-        rows.append({"source": src.name, "target": target, "in_gb": nbytes / 1e9, "seconds": round(r["seconds"], 2),
+        rows.append({"source": src.name, "target": target, "options": " ".join(extra), "in_gb": nbytes / 1e9, "seconds": round(r["seconds"], 2),
                      "gbps": round(gbps, 3), "read_gbps": round(read_bw, 2), "ratio_to_read": round(gbps / read_bw, 3),
                      "peak_rss_tree_mb": r["peak_rss_tree"] >> 20, "peak_rss_max_mb": r["peak_rss_max"] >> 20})
         shutil.rmtree(out, ignore_errors=True)
@@ -134,12 +136,17 @@ def main() -> None:
     ap.add_argument("--llm-compressor-python", default=sys.executable,
                     help="interpreter that has llmcompressor installed (keep it out of this venv)")
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--also-no-hash", action="store_true",
+                    help="repeat each conversion with --no-hash-inputs (provenance without local sha256)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or args.work)
     out.mkdir(parents=True, exist_ok=True)
     rows = bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size)
+    if args.also_no_hash:
+        rows += bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size,
+                      ["--no-hash-inputs"])
     if args.double:
         rows += bench(synth(work, 2 * args.experts), out, args.targets, args.workers, args.max_shard_size)
     if args.llm_compressor:

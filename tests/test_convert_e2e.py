@@ -162,3 +162,15 @@ def test_torch_safetensors_loads_output(outputs):
         assert tensors
     fp8 = [t for t in tensors.values() if t.dtype == torch.float8_e4m3fn]
     assert fp8 or any(load_file(f) for f in out.glob("quant_model_weights-*.safetensors"))
+
+
+def test_no_hash_inputs_leaves_local_hashes_null_and_a_rerun_fills_them(tiny_src, tmp_path):
+    out = tmp_path / "nohash"
+    opts = dict(target="a3", output=out, workers=1, quiet=True, max_shard_size=1_000_000)
+    convert(str(tiny_src), ConvertOptions(**opts, hash_inputs=False))
+    prov = json.loads((out / "kimi_quant_provenance.json").read_text())
+    assert all(v["sha256"] is None for v in prov["inputs"].values())
+    res = convert(str(tiny_src), ConvertOptions(**opts))
+    assert res.converted_units == 0  # same conversion: nothing redone, only the hashes added
+    prov = json.loads((out / "kimi_quant_provenance.json").read_text())
+    assert all(len(v["sha256"]) == 64 for v in prov["inputs"].values())
