@@ -79,7 +79,7 @@ def synth(work: Path, experts: int) -> Path:
     src = work / f"bench-bf16-e{experts}"
     if not (src / "config.json").exists():
         subprocess.run(["kimi-quant", "synth", "--preset", "bench", "--num-experts", str(experts), "-o", str(src)],
-                       check=True, stdout=subprocess.DEVNULL)
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return src
 
 
