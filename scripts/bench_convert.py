@@ -112,7 +112,7 @@ def bench_llm_compressor(src: Path, work: Path, python: str) -> list[dict]:
         return []
     rows = []
     code = ("import sys; from llmcompressor import model_free_ptq; "
-            "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['re:.*norm.*','lm_head','re:.*embed.*'], device='cpu')")
+            "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['re:.*norm.*','re:.*lm_head.*','re:.*embed.*','re:.*conv1d.*','re:.*A_log','re:.*dt_bias','re:.*e_score_correction_bias','re:.*vision_tower.*','re:.*mm_projector.*','re:.*res_proj.*','re:.*\\.gate\\.weight'], device='cpu')")
     for scheme in ("W4A8", "MXFP4"):
         out = work / f"llmc-{scheme}"
         shutil.rmtree(out, ignore_errors=True)
