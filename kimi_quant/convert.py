@@ -153,8 +153,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     pending = deque(todo)
     can_stage = getattr(source, "can_stage", lambda names: True)
     inflight = {}
-    ok = False
-    try:
+    try:  # on failure convert() aborts the executor (running units leave only .partial files)
         while pending or inflight:
             while pending and len(inflight) < executor.slots:
                 if inflight and not can_stage(pending[0].needs):
@@ -176,10 +175,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                     users[f] -= 1
                     if users[f] == 0:
                         source.release(f)
-        ok = True
     finally:
-        if not ok:
-            executor.shutdown(abort=True)
         bar.close()
     for f in sorted(unhashed):  # shards whose units were all done by an earlier run
         journal.record_input(f, sha256_file(source.fetch(f)), entries[f].stamp)
