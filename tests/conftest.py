@@ -6,6 +6,7 @@ from __future__ import annotations
 # --- test_cli_errors.py) ----------------------------------------------------------------------------
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,13 @@ def kq_popen(*args: str, env: dict | None = None) -> subprocess.Popen:
 
 
 JOURNAL_NAME = "kimi_quant_journal.jsonl"
+
+
+def fresh_copy(template: str | Path, tmp_path: Path, name: str) -> Path:
+    """A per-test copy of a module-scoped directory, for tests that damage or edit it."""
+    d = tmp_path / name
+    shutil.copytree(template, d)
+    return d
 
 
 def snapshot(d: str | Path, skip=(JOURNAL_NAME,)) -> dict[str, str]:

@@ -9,13 +9,12 @@ from __future__ import annotations
 import errno
 import io
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import assert_not_complete_looking, error_line, kq, looks_loadable, snapshot, target_args
+from conftest import assert_not_complete_looking, error_line, fresh_copy, kq, looks_loadable, snapshot, target_args
 
 EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"
 NORM = "language_model.model.layers.1.input_layernorm.weight"
@@ -60,9 +59,7 @@ def poke(src: Path, name: str, value_bits: int) -> Path:
 
 @pytest.fixture
 def src(tiny_source, tmp_path) -> Path:
-    d = tmp_path / "src"
-    shutil.copytree(tiny_source, d)
-    return d
+    return fresh_copy(tiny_source, tmp_path, "src")
 
 
 def convert_fails(src: Path, tmp_path: Path, *extra: str, target="950dt", args=None) -> str:

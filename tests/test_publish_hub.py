@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import fresh_copy  # noqa: E402
 from hubtools.fake_hub import FakeHub  # noqa: E402
 
 from kimi_quant.errors import KimiQuantError  # noqa: E402
@@ -51,9 +51,7 @@ def converted(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def output(converted, tmp_path) -> Path:
-    d = tmp_path / "output"
-    shutil.copytree(converted, d)
-    return d
+    return fresh_copy(converted, tmp_path, "output")
 
 
 def _pub(hub, output, **kw):

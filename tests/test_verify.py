@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from conftest import JOURNAL_NAME, error_line, kq, target_args
+from conftest import JOURNAL_NAME, error_line, fresh_copy, kq, target_args
 
 DESC = "quant_model_description.json"
 INDEX = "quant_model_weights.safetensors.index.json"
@@ -25,9 +24,7 @@ def good(request, tiny_source, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def out(good, tmp_path) -> Path:
-    d = tmp_path / "out"
-    shutil.copytree(good, d)
-    return d
+    return fresh_copy(good, tmp_path, "out")
 
 
 def shards(d: Path) -> list[Path]:
