@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import contextlib
 import queue
+import signal
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -18,6 +20,22 @@ from typing import Callable
 from .unit import convert_unit
 
 _progress_queue = None
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Processes spawned inside inherit SIGINT ignored (kept across exec; Python then installs no
+    handler): Ctrl-C reaches the driver alone, which aborts the workers, and no worker prints a
+    KeyboardInterrupt traceback of its own."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _init_worker(q) -> None:
@@ -65,8 +83,9 @@ class LocalExecutor:
             self._drain = threading.Thread(target=self._drain_progress, daemon=True)
             self._drain.start()
             if prestart:  # spawn every worker now; each imports and loads the kernels in parallel
-                for _ in range(self.workers):
-                    self._pool.submit(_warm_worker)
+                with _children_ignore_sigint():
+                    for _ in range(self.workers):
+                        self._pool.submit(_warm_worker)
 
     def _drain_progress(self) -> None:
         while not self._stop.is_set():
@@ -79,7 +98,8 @@ class LocalExecutor:
 
     def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
-            return self._pool.submit(_run_unit, unit, paths, out_dir)
+            with _children_ignore_sigint():  # the pool may spawn a worker here
+                return self._pool.submit(_run_unit, unit, paths, out_dir)
         fut: Future = Future()
         try:
             fut.set_result(convert_unit(unit, paths, out_dir, progress=self.on_progress))
