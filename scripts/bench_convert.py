@@ -136,17 +136,17 @@ def main() -> None:
     ap.add_argument("--llm-compressor-python", default=sys.executable,
                     help="interpreter that has llmcompressor installed (keep it out of this venv)")
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--also-no-hash", action="store_true",
-                    help="repeat each conversion with --no-hash-inputs (provenance without local sha256)")
+    ap.add_argument("--also-hash-inputs", action="store_true",
+                    help="repeat each conversion with --hash-inputs (sha256 of every local source shard)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or args.work)
     out.mkdir(parents=True, exist_ok=True)
     rows = bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size)
-    if args.also_no_hash:
+    if args.also_hash_inputs:
         rows += bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size,
-                      ["--no-hash-inputs"])
+                      ["--hash-inputs"])
     if args.double:
         rows += bench(synth(work, 2 * args.experts), out, args.targets, args.workers, args.max_shard_size)
     if args.llm_compressor:

@@ -127,7 +127,7 @@ def _opts(out: Path, **kw):
 def _convert_local(src: Path, out: Path):
     from kimi_quant.convert import convert
 
-    return convert(str(src), _opts(out))
+    return convert(str(src), _opts(out, hash_inputs=True))  # the sha256s a hub source lists for free
 
 
 def _same_output(got: Path, ref: Path) -> dict:
@@ -303,3 +303,28 @@ def test_no_hub_options_uses_default_work_dir(ckpts, hub_env, tmp_path, monkeypa
     assert work.is_dir() and _staged(work) == []
     _same_output(tmp_path / "out", s.reference)
 
+
+
+@pytest.mark.parametrize("layout", ["cache", "local_dir"])
+def test_hub_download_on_disk_keeps_the_hub_sha256(ckpts, hub_env, tmp_path, layout):
+    """A directory the real huggingface_hub client downloaded (its cache, or a --local-dir) carries the
+    hub's sha256 of each shard: the provenance has them without hashing, while the files are unchanged."""
+    import os
+
+    from huggingface_hub import snapshot_download
+
+    s = ckpts["layered"]
+    where = {"cache_dir": tmp_path / "hf-cache"} if layout == "cache" else {"local_dir": tmp_path / "download"}
+    local = Path(snapshot_download(s.repo_id, revision=s.sha, endpoint=hub_env["HF_ENDPOINT"], **where))
+    want = {f: s.repo.oids[f] for f in s.shards}
+    r = kq("convert", local, "--target", TARGET, "--output", tmp_path / "out", "--max-shard-size", MAX_SHARD)
+    assert r.returncode == 0, r.stderr
+    prov = json.loads((tmp_path / "out" / PROVENANCE).read_text())
+    assert {f: v["sha256"] for f, v in prov["inputs"].items()} == want
+    if layout == "local_dir":  # a file touched after its download no longer counts as the hub's
+        later = (local / s.shards[0]).stat().st_mtime + 10
+        os.utime(local / s.shards[0], (later, later))
+        r = kq("convert", local, "--target", TARGET, "--output", tmp_path / "out2", "--max-shard-size", MAX_SHARD)
+        assert r.returncode == 0, r.stderr
+        prov = json.loads((tmp_path / "out2" / PROVENANCE).read_text())
+        assert {f: v["sha256"] for f, v in prov["inputs"].items()} == {**want, s.shards[0]: None}

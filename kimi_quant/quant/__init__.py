@@ -1,8 +1,12 @@
 """Quantization codecs, one class per ascendV1 type string (see base.Codec)."""
 
-from .base import REGISTRY, Codec, dequantize_prefixed, get_codec, register
+from .base import REGISTRY, Codec, dequantize_prefixed, get_codec, load_kernels, register
 from . import int_schemes, mx_schemes  # noqa: F401  (register the codecs)
-from .kernels import warmup
 from .numerics import NonFiniteWeight
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) every kernel; see ``kernels.warmup``."""
+    load_kernels().warmup()
 
 __all__ = ["REGISTRY", "Codec", "NonFiniteWeight", "dequantize_prefixed", "get_codec", "register", "warmup"]

@@ -21,6 +21,14 @@ import numpy as np
 from ..dtypes import bf16_to_f32
 from ..errors import RecipeError
 
+
+def load_kernels():
+    """The numba kernels module, imported on first use: planning, verifying and the driver never
+    need numba (its import costs ~0.25 s)."""
+    from . import kernels
+
+    return kernels
+
 Spec = dict[str, tuple[str, tuple[int, ...]]]
 
 

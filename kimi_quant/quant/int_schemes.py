@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels as kn
 from . import numerics as nm
-from .base import Codec, Spec, register
+from .base import Codec, Spec, load_kernels, register
 
 
 def _u16(w_u16: np.ndarray) -> np.ndarray:
@@ -77,7 +76,7 @@ class W4A8Dynamic(Codec):
     def quantize_bf16(self, w_u16, matmul=None, out=None):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
-        bad = kn.int4_kernel(
+        bad = load_kernels().int4_kernel(
             w, res["weight"], res["weight_scale"], res["scale_bias"], nm.INT4_GRID, nm.INT4_MAX_ITERS
         )
         if bad >= 0:
@@ -114,7 +113,7 @@ class W8A8Dynamic(Codec):
     def quantize_bf16(self, w_u16, matmul=None, out=None):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
-        bad = kn.int8_kernel(w, res["weight"], res["weight_scale"])
+        bad = load_kernels().int8_kernel(w, res["weight"], res["weight_scale"])
         if bad >= 0:
             _raise_nonfinite(w, bad)
         res["weight_offset"].fill(0)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernels as kn
 from . import numerics as nm
-from .base import Codec, Spec, register
+from .base import Codec, Spec, load_kernels, register
 from .int_schemes import _raise_nonfinite, _u16
 from .numerics import BLOCK
 
@@ -24,9 +23,7 @@ class _MX(Codec):
     def _values(weight: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    @staticmethod
-    def _kernel(w, weight_out, scale_out) -> int:
-        raise NotImplementedError
+    kernel: str  # name of the numba kernel in ``kernels``: (w, weight_out, scale_out) -> bad row or -1
 
     def quantize(self, w, matmul=None):
         w = np.ascontiguousarray(w, dtype=np.float32)
@@ -37,7 +34,7 @@ class _MX(Codec):
     def quantize_bf16(self, w_u16, matmul=None, out=None):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
-        bad = self._kernel(w, res["weight"], res["weight_scale"])
+        bad = getattr(load_kernels(), self.kernel)(w, res["weight"], res["weight_scale"])
         if bad >= 0:
             _raise_nonfinite(w, bad)
         return res
@@ -73,7 +70,7 @@ class W4A8MXFP(_MX):
 
     elem = "e2m1"
     _pack = staticmethod(nm.pack_nibbles_along_k)
-    _kernel = staticmethod(kn.mxfp4_kernel)
+    kernel = "mxfp4_kernel"
 
     @staticmethod
     def _values(weight):
@@ -96,5 +93,5 @@ class W8A8MXFP8(_MX):
         return {"weight": ("F8_E4M3", (N, K)), "weight_scale": ("U8", (N, K // BLOCK))}
 
     elem = "e4m3"
-    _kernel = staticmethod(kn.mxfp8_kernel)
+    kernel = "mxfp8_kernel"
     _values = staticmethod(nm.e4m3_to_f32)  # weight holds F8_E4M3 bit patterns

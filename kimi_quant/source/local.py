@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 from ..errors import BadCheckpoint
@@ -23,7 +25,9 @@ class LocalSource(Source):
         for p in sorted(self.root.rglob("*")):
             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(self.root).parts):
                 st = p.stat()
-                out.append(FileEntry(p.relative_to(self.root).as_posix(), st.st_size, mtime_ns=st.st_mtime_ns))
+                rel = p.relative_to(self.root).as_posix()
+                out.append(FileEntry(rel, st.st_size, sha256=hub_recorded_sha256(self.root, rel, st),
+                                     mtime_ns=st.st_mtime_ns))
         return out
 
     def read_bytes(self, name: str) -> bytes:
@@ -45,3 +49,29 @@ class LocalSource(Source):
         if not path.exists():
             raise BadCheckpoint(f"{path}: shard named in the index is missing")
         return path
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def hub_recorded_sha256(root: Path, rel: str, st: os.stat_result) -> str | None:
+    """The sha256 huggingface_hub recorded when it downloaded ``root/rel``, while it still applies
+    (nothing is hashed here; the hub's LFS oid, as a hub source would list it):
+
+    * its cache (``snapshot_download()``): ``snapshots/<commit>/<rel>`` links to ``blobs/<sha256>``;
+    * ``hf download --local-dir``: ``.cache/huggingface/download/<rel>.metadata`` holds the commit,
+      the etag (the sha256 for LFS files) and the download time; like huggingface_hub, the record
+      counts only while the file's mtime is not later than that (1 s of slack).
+    """
+    path = root / rel
+    if path.is_symlink():
+        blob = Path(os.path.realpath(path))
+        return blob.name if blob.parent.name == "blobs" and _SHA256.fullmatch(blob.name) else None
+    meta = root / ".cache" / "huggingface" / "download" / f"{rel}.metadata"
+    try:
+        _commit, etag, when = meta.read_text().splitlines()[:3]
+        fresh = st.st_mtime - 1 <= float(when)
+    except (OSError, ValueError):
+        return None
+    etag = etag.strip()
+    return etag if fresh and _SHA256.fullmatch(etag) else None

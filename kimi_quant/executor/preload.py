@@ -1,0 +1,10 @@
+"""Imported once by the local executor's fork server, before any worker exists.
+
+Workers are forked from that server, so each starts with the unit code imported and the numba
+kernels already loaded (compiled once, on a cold cache, rather than once per worker).
+"""
+
+from ..quant import warmup
+from . import unit  # noqa: F401  (imported here so that no worker imports it again)
+
+warmup()
