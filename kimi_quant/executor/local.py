@@ -28,27 +28,38 @@ from .unit import convert_unit
 _progress_queue = None
 
 
+#: BLAS / OpenMP pools would start a thread per core in every worker (and spin between calls):
+#: workers are one per core already.  Set before the fork server imports numpy.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 @contextlib.contextmanager
-def _children_ignore_sigint():
-    """Processes started inside inherit SIGINT ignored (kept across exec; Python then installs no
-    handler; the fork server, started inside, hands the same to every worker it forks): Ctrl-C
-    reaches the driver alone, which aborts the workers, and no worker prints a KeyboardInterrupt
-    traceback of its own."""
+def _worker_birth():
+    """Processes started inside (the fork server, and so every worker it forks) inherit:
+
+    * SIGINT ignored (kept across exec; Python then installs no handler): Ctrl-C reaches the driver
+      alone, which aborts the workers, and no worker prints a KeyboardInterrupt traceback;
+    * single-threaded BLAS / OpenMP (``_ONE_THREAD``, unless the user set them)."""
+    saved_env = {k: os.environ.get(k) for k in _ONE_THREAD}
+    for k, v in _ONE_THREAD.items():
+        os.environ.setdefault(k, v)
     try:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
+        previous = None
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
 
 
 def _init_worker(q, driver: int) -> None:
     global _progress_queue
     _progress_queue = q
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     threading.Thread(target=_exit_with_driver, args=(driver,), daemon=True).start()
 
 
@@ -99,7 +110,7 @@ class LocalExecutor:
             self._drain = threading.Thread(target=self._drain_progress, daemon=True)
             self._drain.start()
             if prestart:  # the fork server imports and loads the kernels while the driver plans
-                with _children_ignore_sigint():
+                with _worker_birth():
                     forkserver.ensure_running()
 
     def _drain_progress(self) -> None:
@@ -113,7 +124,7 @@ class LocalExecutor:
 
     def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
-            with _children_ignore_sigint():  # the pool may spawn a worker here
+            with _worker_birth():  # the pool may start a worker here
                 return self._pool.submit(_run_unit, unit, paths, out_dir)
         fut: Future = Future()
         try:
