@@ -84,8 +84,9 @@ def synth(work: Path, experts: int) -> Path:
 
 
 def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str,
-          extra: list[str] = ()) -> list[dict]:
-    """Convert ``src`` for each target into ``work`` (put it on tmpfs to measure compute, not the disk)."""
+          extra: list[str] = (), repeat: int = 1) -> list[dict]:
+    """Convert ``src`` for each target into ``work`` (put it on tmpfs to measure compute, not the disk),
+    ``repeat`` times each: GB/s of the median run, and of the best."""
     rows = []
     read_bw, nbytes = read_gbps(src)
     read_bw = max(read_bw, read_gbps(src)[0])  # best of two warm reads
@@ -96,12 +97,20 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
         if workers:
             cmd += ["--workers", str(workers)]
         cmd += list(extra)
-        r = run_measured(cmd)
-        gbps = nbytes / r["seconds"] / 1e9
-        rows.append({"source": src.name, "target": target, "options": " ".join(extra), "in_gb": nbytes / 1e9, "seconds": round(r["seconds"], 2),
-                     "gbps": round(gbps, 3), "read_gbps": round(read_bw, 2), "ratio_to_read": round(gbps / read_bw, 3),
-                     "peak_rss_tree_mb": r["peak_rss_tree"] >> 20, "peak_rss_max_mb": r["peak_rss_max"] >> 20})
+        runs = []
+        for _ in range(repeat):
+            shutil.rmtree(out, ignore_errors=True)
+            runs.append(run_measured(cmd))
         shutil.rmtree(out, ignore_errors=True)
+        secs = sorted(r["seconds"] for r in runs)
+        median, best = secs[len(secs) // 2], secs[0]
+        gbps = nbytes / median / 1e9
+        rows.append({"source": src.name, "target": target, "options": " ".join(extra), "in_gb": nbytes / 1e9,
+                     "runs": repeat, "seconds": round(median, 2), "gbps": round(gbps, 3),
+                     "gbps_best": round(nbytes / best / 1e9, 3), "read_gbps": round(read_bw, 2),
+                     "ratio_to_read": round(gbps / read_bw, 3),
+                     "peak_rss_tree_mb": max(r["peak_rss_tree"] for r in runs) >> 20,
+                     "peak_rss_max_mb": max(r["peak_rss_max"] for r in runs) >> 20})
     return rows
 
 
@@ -118,6 +127,7 @@ def bench_llm_compressor(src: Path, work: Path, python: str) -> list[dict]:
         shutil.rmtree(out, ignore_errors=True)
         r = run_measured([python, "-c", code, str(src), str(out), scheme])
         nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+        shutil.rmtree(out, ignore_errors=True)  # a few GB: on tmpfs it would squeeze the page cache
         rows.append({"tool": "llm-compressor", "scheme": scheme, "seconds": round(r["seconds"], 2),
                      "gbps": round(nbytes / r["seconds"] / 1e9, 3), "peak_rss_tree_mb": r["peak_rss_tree"] >> 20})
     return rows
@@ -131,7 +141,8 @@ def main() -> None:
     ap.add_argument("--double", action="store_true", help="also run with twice the experts (flat-memory check)")
     ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--max-shard-size", default="256MiB")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per target: the median is reported (and the best)")
+    ap.add_argument("--max-shard-size", default="128MiB")
     ap.add_argument("--llm-compressor", action="store_true", help="also run llm-compressor model_free_ptq")
     ap.add_argument("--llm-compressor-python", default=sys.executable,
                     help="interpreter that has llmcompressor installed (keep it out of this venv)")
@@ -143,12 +154,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or args.work)
     out.mkdir(parents=True, exist_ok=True)
-    rows = bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size)
+    rows = bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size, repeat=args.repeat)
     if args.also_hash_inputs:
         rows += bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size,
-                      ["--hash-inputs"])
+                      ["--hash-inputs"], repeat=args.repeat)
     if args.double:
-        rows += bench(synth(work, 2 * args.experts), out, args.targets, args.workers, args.max_shard_size)
+        rows += bench(synth(work, 2 * args.experts), out, args.targets, args.workers, args.max_shard_size,
+                      repeat=args.repeat)
     if args.llm_compressor:
         rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python)
     print(f"cores: {os.cpu_count()}")
