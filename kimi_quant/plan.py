@@ -12,6 +12,7 @@ import hashlib
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 from . import __version__
 from .dtypes import nbytes
@@ -37,11 +38,12 @@ class TensorPlan:
     matmul: str | None
     outputs: list[list]  # [output name, dtype, shape] in write order (lists: JSON round-trips)
 
-    @property
+    # cached: the full K3.1 plan asks for these millions of times (packing, summaries); plans are not mutated
+    @cached_property
     def in_bytes(self) -> int:
         return nbytes(self.dtype, self.shape)
 
-    @property
+    @cached_property
     def out_bytes(self) -> int:
         return sum(nbytes(d, s) for _, d, s in self.outputs)
 
@@ -62,11 +64,11 @@ class UnitPlan:
     def needs(self) -> list[str]:
         return sorted({t.file for t in self.tensors})
 
-    @property
+    @cached_property
     def in_bytes(self) -> int:
         return sum(t.in_bytes for t in self.tensors)
 
-    @property
+    @cached_property
     def out_bytes(self) -> int:
         return sum(t.out_bytes for t in self.tensors)
 
