@@ -1,7 +1,7 @@
 """Calibration / evaluation text: the shipped set, or a user's jsonl / txt / parquet file, or a hub dataset.
 
-``load_texts(None)`` gives the shipped held-out split (calibration/heldout.jsonl; licences in
-calibration/README.md). A path ending in ``.jsonl`` reads the ``text`` field of each line, ``.txt`` is
+``load_texts(None)`` gives the shipped held-out split (calibration/heldout.jsonl, in the wheel as
+kimi_quant/validate/calibration_data/; licences in calibration/README.md). A path ending in ``.jsonl`` reads the ``text`` field of each line, ``.txt`` is
 one document, ``.parquet`` reads the ``text`` column (needs pyarrow). Names ``builtin:train`` and
 ``builtin:heldout`` pick a shipped split. Anything else that is not an existing file is taken as a
 Hugging Face dataset id (``org/name`` or ``org/name:split``), which needs the ``datasets`` package and
@@ -15,7 +15,8 @@ from pathlib import Path
 
 from ..errors import KimiQuantError
 
-CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
+# a link to the top-level calibration/ in a checkout; in a wheel, the shipped splits themselves
+CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration_data"
 BUILTIN = {"builtin:train": "train.jsonl", "builtin:heldout": "heldout.jsonl"}
 
 
@@ -74,7 +75,7 @@ def load_texts(spec: str | Path | None = None) -> list[str]:
     if s in BUILTIN:
         path = CALIBRATION_DIR / BUILTIN[s]
         if not path.is_file():
-            raise KimiQuantError(f"shipped calibration set {path} not found (installed without calibration/?); "
+            raise KimiQuantError(f"shipped calibration set {path} not found (a checkout without calibration/?); "
                                  f"pass --calibration FILE")
         return _jsonl(path)
     path = Path(s)
