@@ -242,7 +242,7 @@ def verify(output, no_rehash):
     """Check an output directory: shards against the journal, index, description, shapes."""
     from .verify import verify_output
 
-    r = verify_output(output, rehash=not no_rehash)
+    r = verify_output(output, rehash=not no_rehash, quiet=False)
     click.echo(f"ok: {r['shards']} shards, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .errors import KimiQuantError
 from .executor import make_executor
-from .journal import Journal, check_same_conversion, sha256_file
+from .hashing import sha256_files
+from .journal import Journal, check_same_conversion
 from .layout.ascend_v1 import OWN_FILES, provenance, write_metadata_files
 from .model.spec import load_model_spec_from_source
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
@@ -131,7 +132,7 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
 def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,
          executor) -> ConvertResult:
     expected = {u.file for u in plan.units}
-    done = journal.verified_units(out_dir, expected)
+    done = journal.verified_units(out_dir, expected, quiet=opts.quiet)
     todo = [u for u in plan.units if u.file not in done]
     entries = {f.name: f for f in source.files() if f.name in plan.inputs}
     for f in entries.values():
@@ -178,8 +179,9 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                         source.release(f)
     finally:
         bar.close()
-    for f in sorted(unhashed):  # shards whose units were all done by an earlier run
-        journal.record_input(f, sha256_file(source.fetch(f)), entries[f].stamp)
+    late = sorted(unhashed)  # shards whose units were all done by an earlier run
+    for f, sha in zip(late, sha256_files([source.fetch(f) for f in late], desc="hash inputs", quiet=opts.quiet)):
+        journal.record_input(f, sha, entries[f].stamp)
     # a hash stands only for the file as it is now (without --hash-inputs, shards no hub vouched for: null)
     inputs = {f: {"size": plan.inputs[f],
                   "sha256": journal.inputs.get(f) if journal.input_stamps.get(f) == entries[f].stamp else None}

@@ -8,37 +8,16 @@ directory is refused unless the user asks to overwrite.
 
 from __future__ import annotations
 
-import hashlib
 import errno
 import json
-import mmap
 import os
 from pathlib import Path
 
 from .errors import KimiQuantError
+from .hashing import sha256_file, sha256_files
 from .write.atomic import disk_full
 
 JOURNAL = "kimi_quant_journal.jsonl"
-HASH_CHUNK = 16 * 1024 * 1024
-
-
-def sha256_file(path: str | Path) -> str:
-    """sha256 of a file, hashed straight from an mmap (no copy), dropping pages as it goes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return h.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            view = memoryview(m)
-            try:
-                for start in range(0, size, HASH_CHUNK):
-                    h.update(view[start:start + HASH_CHUNK])
-                    if hasattr(mmap, "MADV_DONTNEED"):
-                        m.madvise(mmap.MADV_DONTNEED, start, min(HASH_CHUNK, size - start))
-            finally:
-                view.release()
-    return h.hexdigest()
 
 
 class Journal:
@@ -118,14 +97,12 @@ class Journal:
         self.metadata = files
         self._append({"kind": "complete", "files": files})
 
-    def verified_units(self, out_dir: Path, expected: set[str]) -> dict[str, dict]:
+    def verified_units(self, out_dir: Path, expected: set[str], quiet: bool = True) -> dict[str, dict]:
         """Journal entries whose file exists with the recorded size and sha256 (the rest is redone)."""
-        good = {}
-        for file, rec in self.units.items():
-            p = out_dir / file
-            if file in expected and p.exists() and p.stat().st_size == rec["size"] and sha256_file(p) == rec["sha256"]:
-                good[file] = rec
-        return good
+        sized = [(f, rec) for f, rec in sorted(self.units.items())
+                 if f in expected and (out_dir / f).is_file() and (out_dir / f).stat().st_size == rec["size"]]
+        shas = sha256_files([out_dir / f for f, _ in sized], desc="check kept shards", quiet=quiet)
+        return {f: rec for (f, rec), sha in zip(sized, shas) if sha == rec["sha256"]}
 
 
 def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out_dir: Path) -> None:

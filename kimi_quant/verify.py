@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from .errors import KimiQuantError
-from .journal import Journal, sha256_file
+from .hashing import sha256_file, sha256_files
+from .journal import Journal
 from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from .source.safetensors import read_header
 
@@ -102,8 +103,9 @@ def _check_provenance(out_dir: Path, journal: Journal) -> None:
             raise _fail(out_dir, f"{PROVENANCE}: record of {f} differs from the journal")
 
 
-def verify_output(out_dir: str | Path, rehash: bool = True) -> dict:
-    """Raise KimiQuantError (one line) unless ``out_dir`` is a complete, intact ascendV1 output."""
+def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) -> dict:
+    """Raise KimiQuantError (one line) unless ``out_dir`` is a complete, intact ascendV1 output.
+    ``rehash``: check every shard's sha256 against the journal (in parallel; a progress bar unless ``quiet``)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise KimiQuantError(f"{out_dir}: not a directory")
@@ -123,17 +125,21 @@ def verify_output(out_dir: str | Path, rehash: bool = True) -> dict:
     files = sorted(set(weight_map.values()))
     if set(files) != set(journal.units):
         raise _fail(out_dir, f"index names {len(files)} shards, journal {len(journal.units)}")
+    for f in files:
+        p = out_dir / f
+        if not p.exists():
+            raise _fail(out_dir, f"{f} is missing")
+        if p.stat().st_size != journal.units[f]["size"]:
+            raise _fail(out_dir, f"{f} has {p.stat().st_size} bytes, journal says {journal.units[f]['size']}")
+    if rehash:
+        shas = sha256_files([out_dir / f for f in files], desc="verify", quiet=quiet)
+        for f, sha in zip(files, shas):
+            if sha != journal.units[f]["sha256"]:
+                raise _fail(out_dir, f"{f}: sha256 differs from the journal (file damaged or modified)")
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     total = 0
     for f in files:
         p = out_dir / f
-        rec = journal.units[f]
-        if not p.exists():
-            raise _fail(out_dir, f"{f} is missing")
-        if p.stat().st_size != rec["size"]:
-            raise _fail(out_dir, f"{f} has {p.stat().st_size} bytes, journal says {rec['size']}")
-        if rehash and sha256_file(p) != rec["sha256"]:
-            raise _fail(out_dir, f"{f}: sha256 differs from the journal (file damaged or modified)")
         tensors, _ = read_header(p)
         for name, t in tensors.items():
             if weight_map.get(name) != f:

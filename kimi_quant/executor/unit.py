@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import BadCheckpoint
-from ..journal import sha256_file
+from ..hashing import sha256_file
 from ..plan import UnitPlan
 from ..quant import get_codec
 from ..recipe.recipe import FLOAT

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import KimiQuantError
+from ..hashing import sha256_file
 from ..source.hub import retry_after
 
 log = logging.getLogger(__name__)
@@ -180,14 +181,6 @@ def _git_blob_sha1(data: bytes) -> str:
     return h.hexdigest()
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @dataclass
 class _Item:
     path_in_repo: str
@@ -201,7 +194,7 @@ class _Item:
         if not self.lfs:
             return _git_blob_sha1(self.data if self.data is not None else self.local.read_bytes())
         if self.sha256 is None:
-            self.sha256 = _sha256_file(self.local)
+            self.sha256 = sha256_file(self.local)
         return self.sha256
 
 
