@@ -102,6 +102,14 @@ def _layer_kind(cfg, i: int) -> str:
     return f"{attn}/{'dense' if cfg.is_dense(i) else 'MoE'}"
 
 
+def _timing(t_layer: float, start: float, done: int, total: int) -> str:
+    """'2/61, 3.1s, ETA 2m05s': layers done, this layer's time, the rest at the mean rate so far."""
+    now = time.time()
+    left = round((now - start) / done * (total - done))
+    eta = f", ETA {left // 60}m{left % 60:02d}s" if done < total else ""
+    return f"{done}/{total}, {now - t_layer:.1f}s{eta}"
+
+
 def _log(progress: bool, msg: str) -> None:
     if progress:
         print(msg, file=sys.stderr, flush=True)
@@ -124,7 +132,9 @@ def _run(loaders: list[WeightLoader], batches: list[torch.Tensor], progress: boo
         states.append([fw.embed(gw, b) for b in batches])
         del gw
     layers: list[dict[str, Any]] = []
-    for i in range(cfg.num_hidden_layers):
+    n_layers = cfg.num_hidden_layers
+    start = time.time()
+    for i in range(n_layers):
         t0 = time.time()
         agree = _Agree()
         for k, ld in enumerate(loaders):
@@ -140,9 +150,9 @@ def _run(loaders: list[WeightLoader], batches: list[torch.Tensor], progress: boo
             entry = {"layer": i, "kind": _layer_kind(cfg, i), **agree.result()}
             layers.append(entry)
             _log(progress, f"layer {i:3d} {entry['kind']:<12} cos {entry['cosine']:.6f} "
-                           f"rel_err {entry['rel_error']:.4e}  ({time.time() - t0:.1f}s)")
+                           f"rel_err {entry['rel_error']:.4e}  ({_timing(t0, start, i + 1, n_layers)})")
         else:
-            _log(progress, f"layer {i:3d} ({time.time() - t0:.1f}s)")
+            _log(progress, f"layer {i:3d} ({_timing(t0, start, i + 1, n_layers)})")
     totals = []
     lagree = _Agree()
     logits0 = []
