@@ -329,6 +329,37 @@ def test_driver_killed_alone(mid_source, clean, tmp_path):
     assert not leaked, f"{len(leaked)} worker/tracker processes outlive a SIGKILLed driver"
 
 
+def _workers(driver: int) -> list[int]:
+    """The driver's worker processes: the children of its fork server."""
+    return [w for k in _children(driver) for w in _children(k)]
+
+
+def test_a_killed_worker_is_one_line_and_resumes(mid_source, clean, tmp_path):
+    """The OOM killer picks a worker process: the run stops with one line that says what to do,
+    leaves nothing that looks complete, and the same command resumes to the same bytes."""
+    out = tmp_path / "out"
+    p = popen(convert_args(mid_source, out))
+    workers: list[int] = []
+    while p.poll() is None and len(workers) < 2:  # --workers 2; looked up early, so the kill lands fast
+        workers = _workers(p.pid)
+    while p.poll() is None and unit_lines(out) < 1:
+        time.sleep(0.001)
+    if p.poll() is not None:
+        pytest.skip("finished before the kill")
+    for w in workers:
+        os.kill(w, signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    if p.returncode == 0:  # the kill landed after the last unit: the output must simply be right
+        assert snapshot(out) == clean["snap"]
+        pytest.skip("the worker was killed after the last unit")
+    assert p.returncode == 2, err
+    assert re.fullmatch(r"kimi-quant: error: a worker process died while converting quant_model_weights-\S+ "
+                        r"\(killed by a signal: the OOM killer\?\); completed shards are kept: re-run the same "
+                        r"command to resume \(fewer --workers use less memory\)", error_line(err)), err
+    assert_not_loadable(out)
+    resume_and_compare(mid_source, out, clean, unit_lines(out))
+
+
 def test_ctrl_c_is_one_line_and_resumes(mid_source, clean, tmp_path):
     out = tmp_path / "out"
     p = popen(convert_args(mid_source, out))

@@ -21,8 +21,10 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
+from ..errors import KimiQuantError
 from .unit import convert_unit
 
 _progress_queue = None
@@ -125,7 +127,7 @@ class LocalExecutor:
     def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
             with _worker_birth():  # the pool may start a worker here
-                return self._pool.submit(_run_unit, unit, paths, out_dir)
+                return _explained(self._pool.submit(_run_unit, unit, paths, out_dir), unit["file"])
         fut: Future = Future()
         try:
             fut.set_result(convert_unit(unit, paths, out_dir, progress=self.on_progress))
@@ -147,6 +149,28 @@ class LocalExecutor:
                 self.on_progress(self._queue.get_nowait())
             except (queue.Empty, EOFError, OSError):
                 break
+
+
+def _explained(inner: Future, file: str) -> Future:
+    """``inner``'s outcome, with a dead worker process (the pool's BrokenProcessPool traceback)
+    turned into one line that says what to do."""
+    outer: Future = Future()
+
+    def done(f: Future) -> None:
+        if f.cancelled():
+            outer.cancel()
+            outer.set_running_or_notify_cancel()
+        elif isinstance(f.exception(), BrokenProcessPool):
+            outer.set_exception(KimiQuantError(
+                f"a worker process died while converting {file} (killed by a signal: the OOM killer?); "
+                "completed shards are kept: re-run the same command to resume (fewer --workers use less memory)"))
+        elif f.exception() is not None:
+            outer.set_exception(f.exception())
+        else:
+            outer.set_result(f.result())
+
+    inner.add_done_callback(done)
+    return outer
 
 
 def make_executor(kind: str, workers: int | None, on_progress, prestart: bool = False, **options):
