@@ -18,7 +18,7 @@ from .errors import KimiQuantError
 from .executor import make_executor
 from .hashing import sha256_files
 from .journal import Journal, check_same_conversion
-from .layout.ascend_v1 import OWN_FILES, provenance, write_metadata_files
+from .layout.ascend_v1 import DESCRIPTION, INDEX, OWN_FILES, files_to_copy, provenance, write_metadata_files
 from .model.spec import load_model_spec_from_source
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from .recipe import load_recipe
@@ -110,13 +110,14 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
     # Local workers start now and load the kernels while the driver plans; Ray starts once the plan is sound.
-    executor = make_executor("local", opts.workers, None, prestart=True) if opts.executor == "local" else None
+    executor = make_executor("local", opts.workers, None) if opts.executor == "local" else None
     source = None
     ok = False
     try:
         source = open_source(source_spec, revision=opts.revision, **opts.source_options)
-        plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
         out_dir = Path(opts.output).resolve()
+        _refuse_overlap(getattr(source, "root", None), out_dir)
+        plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
         journal = prepare_output(out_dir, plan, opts.overwrite)
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
@@ -129,12 +130,25 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
             source.close()
 
 
+def _refuse_overlap(source_root: Path | None, out_dir: Path) -> None:
+    """An output that is, holds or sits in the source directory would be cleared by --overwrite
+    (deleting the BF16 shards) or copied into itself on every run."""
+    if source_root is None:
+        return
+    src = Path(source_root).resolve()
+    how = ("is" if out_dir == src else "is inside" if out_dir.is_relative_to(src)
+           else "contains" if src.is_relative_to(out_dir) else None)
+    if how:
+        raise KimiQuantError(f"--output {out_dir} {how} the source directory {src}: "
+                             "choose an output directory outside the source")
+
+
 def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,
          executor) -> ConvertResult:
-    expected = {u.file for u in plan.units}
-    done = journal.verified_units(out_dir, expected, quiet=opts.quiet)
-    todo = [u for u in plan.units if u.file not in done]
     entries = {f.name: f for f in source.files() if f.name in plan.inputs}
+    made_from = {u.file: {f: entries[f].identity for f in u.needs} for u in plan.units}
+    done = journal.verified_units(out_dir, made_from, quiet=opts.quiet)
+    todo = [u for u in plan.units if u.file not in done]
     for f in entries.values():
         if f.sha256:  # the hub's LFS sha256 (verified on download, or recorded by huggingface_hub): not hashed here
             journal.record_input(f.name, f.sha256, f.stamp)
@@ -172,7 +186,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                 res = fut.result()
                 for f, sha in (res.get("inputs") or {}).items():
                     journal.record_input(f, sha, entries[f].stamp)
-                journal.record_unit(res["file"], res["size"], res["sha256"])
+                journal.record_unit(res["file"], res["size"], res["sha256"], made_from[unit.file])
                 for f in unit.needs:
                     users[f] -= 1
                     if users[f] == 0:
@@ -186,9 +200,8 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     inputs = {f: {"size": plan.inputs[f],
                   "sha256": journal.inputs.get(f) if journal.input_stamps.get(f) == entries[f].stamp else None}
               for f in sorted(plan.inputs)}
-    units = {f: journal.units[f] for f in sorted(expected)}
-    write_metadata_files(out_dir, plan, source, provenance(plan, inputs, units))
-    if not journal.complete:
-        journal.mark_complete()
+    units = {u.file: {k: journal.units[u.file][k] for k in ("size", "sha256")} for u in plan.units}
+    write_metadata_files(out_dir, plan, source, provenance(plan, inputs, dict(sorted(units.items()))))
+    journal.mark_complete([INDEX, DESCRIPTION, "config.json", *files_to_copy(source)])
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
                          sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))

@@ -47,7 +47,7 @@ class Journal:
             if kind == "start":
                 self.start = ev
             elif kind == "unit" and {"file", "size", "sha256"} <= ev.keys():
-                self.units[ev["file"]] = {"size": ev["size"], "sha256": ev["sha256"]}
+                self.units[ev["file"]] = {"size": ev["size"], "sha256": ev["sha256"], "inputs": ev.get("inputs")}
             elif kind == "input" and {"file", "sha256"} <= ev.keys():
                 self.inputs[ev["file"]] = ev["sha256"]
                 self.input_stamps[ev["file"]] = ev.get("stamp")
@@ -74,9 +74,11 @@ class Journal:
         self.start = {"kind": "start", "fingerprint": fingerprint, **summary}
         self._append(self.start)
 
-    def record_unit(self, file: str, size: int, sha256: str) -> None:
-        self.units[file] = {"size": size, "sha256": sha256}
-        self._append({"kind": "unit", "file": file, "size": size, "sha256": sha256})
+    def record_unit(self, file: str, size: int, sha256: str, inputs: dict[str, str]) -> None:
+        """A complete output shard, with the identity (``FileEntry.identity``) of each source shard it
+        was made from: a resumed run keeps it only while those are unchanged."""
+        self.units[file] = {"size": size, "sha256": sha256, "inputs": inputs}
+        self._append({"kind": "unit", "file": file, "size": size, "sha256": sha256, "inputs": inputs})
 
     def record_input(self, file: str, sha256: str, stamp: str | None = None) -> None:
         """Record a source file's sha256 (``stamp``: its size and mtime then, to notice a later change)."""
@@ -85,22 +87,26 @@ class Journal:
             self.input_stamps[file] = stamp
             self._append({"kind": "input", "file": file, "sha256": sha256, "stamp": stamp})
 
-    def mark_complete(self) -> None:
-        """Record completion with the sha256 of the loader-facing metadata files (index, description,
-        config.json) so ``verify`` notices later edits. Provenance is left out: --validate amends it."""
-        from .layout.ascend_v1 import DESCRIPTION, INDEX
-
+    def mark_complete(self, names: list[str]) -> None:
+        """Record completion with the sha256 of the files around the shards (index, description,
+        config.json, copied tokenizer files, ...) so ``verify`` notices later edits; again whenever a
+        re-run rewrote them differently (a changed source config.json). Provenance is left out:
+        --validate amends it."""
         out_dir = self.path.parent
-        files = {name: sha256_file(out_dir / name) for name in (INDEX, DESCRIPTION, "config.json")
-                 if (out_dir / name).exists()}
+        files = {name: sha256_file(out_dir / name) for name in sorted(names) if (out_dir / name).exists()}
+        if self.complete and files == self.metadata:
+            return
         self.complete = True
         self.metadata = files
         self._append({"kind": "complete", "files": files})
 
-    def verified_units(self, out_dir: Path, expected: set[str], quiet: bool = True) -> dict[str, dict]:
-        """Journal entries whose file exists with the recorded size and sha256 (the rest is redone)."""
+    def verified_units(self, out_dir: Path, expected: dict[str, dict[str, str]], quiet: bool = True) -> dict[str, dict]:
+        """Journal entries still good: made from the same source shards (``expected``: output shard ->
+        {source shard: identity} now), and whose file exists with the recorded size and sha256.
+        The rest is redone."""
         sized = [(f, rec) for f, rec in sorted(self.units.items())
-                 if f in expected and (out_dir / f).is_file() and (out_dir / f).stat().st_size == rec["size"]]
+                 if f in expected and rec.get("inputs") == expected[f]
+                 and (out_dir / f).is_file() and (out_dir / f).stat().st_size == rec["size"]]
         shas = sha256_files([out_dir / f for f, _ in sized], desc="check kept shards", quiet=quiet)
         return {f: rec for (f, rec), sha in zip(sized, shas) if sha == rec["sha256"]}
 

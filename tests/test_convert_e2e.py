@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import fresh_copy, snapshot
 from independent_decoder import E2M1, bf16, decode_linear, expected_scale_bias, read_checkpoint
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.model.synth import synth
@@ -177,3 +178,70 @@ def test_hash_inputs_on_a_rerun_fills_the_hashes_without_converting_again(tiny_s
     prov = json.loads((out / "kimi_quant_provenance.json").read_text())
     assert {f: v["sha256"] for f, v in prov["inputs"].items()} == \
         {f: hashlib.sha256((tiny_src / f).read_bytes()).hexdigest() for f in prov["inputs"]}
+
+
+# -- the source changes between runs, or overlaps the output ---------------------------------------
+
+def _opts(out: Path, **kw) -> ConvertOptions:
+    return ConvertOptions(target="a3", output=out, workers=1, quiet=True, max_shard_size=1_000_000, **kw)
+
+
+def test_a_source_shard_rewritten_in_place_redoes_the_units_made_from_it(tiny_src, outputs, tmp_path):
+    """Same size, new bytes (a repaired or re-downloaded shard): a resumed run must not keep output
+    shards made from the old bytes, and must end byte-identical to a fresh conversion."""
+    from kimi_quant.source.safetensors import read_header
+    from kimi_quant.verify import verify_output
+
+    src = fresh_copy(tiny_src, tmp_path, "src")
+    out = tmp_path / "out"
+    first = convert(str(src), _opts(out))
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    name, info = next((n, t) for n, t in read_header(shard)[0].items() if "experts" in n)
+    data = bytearray(shard.read_bytes())
+    data[info.start:info.end] = bytes(info.end - info.start)  # zero one expert weight, size unchanged
+    shard.write_bytes(bytes(data))
+    again = convert(str(src), _opts(out))
+    made_from_it = [u for u in first.plan.units if shard.name in u.needs]
+    assert again.converted_units == len(made_from_it) > 0 and again.reused_units == len(first.plan.units) - len(made_from_it)
+    fresh = tmp_path / "fresh"
+    convert(str(src), _opts(fresh))
+    assert snapshot(out) == snapshot(fresh)
+    verify_output(out)
+
+
+def test_a_changed_config_is_rewritten_and_verifies(tiny_src, tmp_path):
+    from kimi_quant.verify import verify_output
+
+    src = fresh_copy(tiny_src, tmp_path, "src")
+    out = tmp_path / "out"
+    convert(str(src), _opts(out))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["note"] = "edited after the first run"
+    (src / "config.json").write_text(json.dumps(cfg))
+    res = convert(str(src), _opts(out))
+    assert res.converted_units == 0
+    assert json.loads((out / "config.json").read_text())["note"] == "edited after the first run"
+    verify_output(out)
+
+
+def test_verify_notices_an_edited_copied_file(outputs, tmp_path):
+    from kimi_quant.errors import KimiQuantError
+    from kimi_quant.verify import verify_output
+
+    out = fresh_copy(outputs["a3"], tmp_path, "out")
+    (out / "tokenizer_config.json").write_text('{"edited": true}')
+    with pytest.raises(KimiQuantError, match="tokenizer_config.json: sha256 differs"):
+        verify_output(out)
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+def test_an_output_overlapping_the_source_is_refused_and_the_source_kept(tiny_src, tmp_path, where):
+    from kimi_quant.errors import KimiQuantError
+
+    src = fresh_copy(tiny_src, tmp_path, "src")
+    before = snapshot(src)
+    out = {"same": src, "inside": src / "out", "parent": tmp_path}[where]
+    how = {"same": "is", "inside": "is inside", "parent": "contains"}[where]
+    with pytest.raises(KimiQuantError, match=f"--output .* {how} the source directory .*: choose an output"):
+        convert(str(src), _opts(out, overwrite=True))
+    assert snapshot(src) == before

@@ -30,6 +30,12 @@ class FileEntry:
     def stamp(self) -> str:
         return f"{self.size}:{self.mtime_ns}"
 
+    @property
+    def identity(self) -> str:
+        """What must not change for an output made from this file to stay valid: size and mtime of
+        a local file (rewriting it in place changes the mtime), the sha256 of a hub file (pinned)."""
+        return self.stamp if self.mtime_ns is not None or not self.sha256 else f"sha256:{self.sha256}"
+
 
 class Source:
     id: str = ""
