@@ -62,6 +62,7 @@ def _worker_birth():
 def _init_worker(q, driver: int) -> None:
     global _progress_queue
     _progress_queue = q
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # already so when the fork server started inside _worker_birth
     threading.Thread(target=_exit_with_driver, args=(driver,), daemon=True).start()
 
 
@@ -90,14 +91,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _started() -> None:
+    """Submitted once per worker by the launcher thread: the pool starts a process for each."""
+
+
 def _run_unit(unit: dict, paths: dict[str, str], out_dir: str) -> dict:
     q = _progress_queue
     return convert_unit(unit, paths, out_dir, progress=(q.put if q is not None else None))
 
 
 class LocalExecutor:
-    def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,
-                 prestart: bool = False):
+    def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None):
         self.workers = max(1, int(workers or os.cpu_count() or 1))
         self.on_progress = on_progress or (lambda n: None)
         self.slots = self.workers
@@ -111,9 +115,22 @@ class LocalExecutor:
             self._stop = threading.Event()
             self._drain = threading.Thread(target=self._drain_progress, daemon=True)
             self._drain.start()
-            if prestart:  # the fork server imports and loads the kernels while the driver plans
-                with _worker_birth():
-                    forkserver.ensure_running()
+            # Started now (it does not wait for the server), so the server imports and loads the kernels
+            # while the driver plans.  SIGINT is ignored only around this start (never while the driver
+            # waits), and workers are launched from a thread: a Ctrl-C, always delivered to the main
+            # thread, then never lands inside a launch, which would leave a half-started worker that
+            # prints a traceback after the driver has gone.
+            with _worker_birth():
+                forkserver.ensure_running()
+            self._launcher = threading.Thread(target=self._launch, name="kq-launch", daemon=True)
+            self._launcher.start()
+
+    def _launch(self) -> None:
+        try:
+            for _ in range(self.workers):
+                self._pool.submit(_started)
+        except RuntimeError:  # shut down (Ctrl-C, an error) before every worker was asked for
+            pass
 
     def _drain_progress(self) -> None:
         while not self._stop.is_set():
@@ -126,8 +143,8 @@ class LocalExecutor:
 
     def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
-            with _worker_birth():  # the pool may start a worker here
-                return _explained(self._pool.submit(_run_unit, unit, paths, out_dir), unit["file"])
+            self._launcher.join()  # the workers exist (interruptible: the launch goes on without us)
+            return _explained(self._pool.submit(_run_unit, unit, paths, out_dir), unit["file"])
         fut: Future = Future()
         try:
             fut.set_result(convert_unit(unit, paths, out_dir, progress=self.on_progress))
@@ -173,9 +190,9 @@ def _explained(inner: Future, file: str) -> Future:
     return outer
 
 
-def make_executor(kind: str, workers: int | None, on_progress, prestart: bool = False, **options):
+def make_executor(kind: str, workers: int | None, on_progress, **options):
     if kind == "local":
-        return LocalExecutor(workers, on_progress, prestart=prestart)
+        return LocalExecutor(workers, on_progress)
     if kind == "ray":
         from .ray_executor import RayExecutor  # optional extra: pip install kimi-quant[ray]
 
