@@ -360,6 +360,26 @@ def test_a_killed_worker_is_one_line_and_resumes(mid_source, clean, tmp_path):
     resume_and_compare(mid_source, out, clean, unit_lines(out))
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.1, 0.3])
+def test_ctrl_c_during_start_up_is_one_line(mid_source, tmp_path, delay):
+    """While the workers' fork server is still loading the kernels, a Ctrl-C must stop the run at
+    once (not be swallowed), with one line and no traceback from a half-started worker."""
+    out = tmp_path / "out"
+    p = popen(convert_args(mid_source, out))
+    while p.poll() is None and not _children(p.pid):  # the driver has started its fork server
+        time.sleep(0.002)
+    time.sleep(delay)
+    if p.poll() is not None:
+        pytest.skip("finished before the interrupt")
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    if p.returncode == 0:  # only if the whole conversion beat the signal
+        pytest.skip("finished before the interrupt")
+    assert p.returncode == 130, err
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("convert ")]
+    assert lines == ["kimi-quant: interrupted; re-run the same command to resume"], err
+
+
 def test_ctrl_c_is_one_line_and_resumes(mid_source, clean, tmp_path):
     out = tmp_path / "out"
     p = popen(convert_args(mid_source, out))
