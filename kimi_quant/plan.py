@@ -164,6 +164,10 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
     """Plan a conversion from headers only; refuses bad recipes and inconsistent inputs up front."""
     weight_map = source.weight_map()
+    for rule in recipe.rules:  # a mistyped --override would otherwise be silently ignored
+        if rule.override and not any(rule.matches(n) for n in weight_map):
+            raise RecipeError(f"--override '{rule.pattern}={rule.scheme}': the pattern matches no tensor "
+                              f"(names look like {min(weight_map, default='')!r})")
     files = sorted(set(weight_map.values()))
     sizes = {f.name: f.size for f in source.files()}
     tensors: list[TensorPlan] = []
@@ -185,6 +189,9 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
                                     "kimi-quant needs a BF16 source (dequantize it first)")
             role = spec.role(name)
             scheme = recipe.scheme_for(name, role.role)
+            if not target.allows(scheme):  # load_recipe refuses these; a Recipe built in code may not
+                raise RecipeError(f"tensor {name!r}: scheme {scheme} is not for target {target.name} "
+                                  f"(it takes {target.scheme_names()})")
             if scheme != FLOAT:
                 why = get_codec(scheme).check(info.shape, role.matmul)
                 if why is None and info.dtype not in FLOAT_DTYPES:

@@ -15,15 +15,26 @@ class Target:
     scheme: str  # human summary of the weight/activation scheme
     supported: bool
     group_size: int = 0  # written to quant_model_description.json
+    # the quantized schemes its kernels run (FLOAT runs everywhere); the description's group_size
+    # fits only one family, so an a3 output with an MX tensor (or the reverse) is not loadable
+    schemes: tuple[str, ...] = ()
+
+    def allows(self, scheme: str) -> bool:
+        return scheme == "FLOAT" or scheme in self.schemes
+
+    def scheme_names(self) -> str:
+        return ", ".join(("FLOAT", *self.schemes))
 
 
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         Target("a3", "Atlas 800I A3 server, Atlas 900 A3 SuperPoD",
-               "W4A8 integer: int4 weights, int8 per-token dynamic activations", True, 0),
+               "W4A8 integer: int4 weights, int8 per-token dynamic activations", True, 0,
+               ("W4A8_DYNAMIC", "W8A8_DYNAMIC")),
         Target("950dt", "Ascend 950DT (Ascend 950 SuperPoD series)",
-               "W4A8 MXFP: MXFP4 (E2M1 + E8M0, block 32) weights, MXFP8 (E4M3) dynamic activations", True, 32),
+               "W4A8 MXFP: MXFP4 (E2M1 + E8M0, block 32) weights, MXFP8 (E4M3) dynamic activations", True, 32,
+               ("W4A8_MXFP", "W8A8_MXFP8")),
         Target("a2", "Atlas 800I A2", "-", False),
         Target("950pr", "Ascend 950PR", "-", False),
     )

@@ -138,6 +138,30 @@ def test_invalid_combinations_refused_before_work(tiny, override, match):
         _plan(tiny, "950dt" if "MXFP" in override else "a3", [override])
 
 
+def test_every_planned_scheme_runs_on_its_target(tiny):
+    """The shipped recipe gives each target only its own family (plus FLOAT); a Recipe built in code that
+    mixes families is refused by make_plan itself, naming the tensor."""
+    from kimi_quant.recipe.recipe import Recipe
+
+    for name, family in (("a3", {"W4A8_DYNAMIC", "W8A8_DYNAMIC"}), ("950dt", {"W4A8_MXFP", "W8A8_MXFP8"})):
+        assert set(_plan(tiny, name).scheme_counts()) == family | {"FLOAT"}
+    mixed = Recipe("mixed", "a3", "FLOAT", {"lm_head": "W8A8_MXFP8"})
+    spec = spec_from_config(tiny.read_json("config.json"))
+    with pytest.raises(RecipeError, match=r"tensor 'language_model.lm_head.weight': scheme W8A8_MXFP8 is not for "
+                                          r"target a3 \(it takes FLOAT, W4A8_DYNAMIC, W8A8_DYNAMIC\)"):
+        make_plan(tiny, spec, mixed, resolve_target("a3"))
+
+
+def test_override_must_match_a_tensor_recipe_rules_need_not(tiny, tmp_path):
+    with pytest.raises(RecipeError, match=r"--override 'lm_head=FLOAT': the pattern matches no tensor"):
+        _plan(tiny, "a3", ["lm_head=FLOAT"])  # names carry the language_model. prefix
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[targets.a3]\n[[targets.a3.rules]]\npattern = 'nothing.*'\nscheme = 'FLOAT'\n")
+    spec = spec_from_config(tiny.read_json("config.json"))
+    plan = make_plan(tiny, spec, load_recipe("a3", recipe), resolve_target("a3"))
+    assert set(plan.scheme_counts()) == {"FLOAT"}
+
+
 def test_mx_needs_k_divisible_by_32(tmp_path):
     cfg = preset_config("tiny")
     from kimi_quant.model.spec import spec_from_config as sfc

@@ -60,8 +60,8 @@ class TextConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TextConfig":
-        lac = d.get("linear_attn_config") or {}
         try:
+            lac = d.get("linear_attn_config") or {}
             return cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=int(d["hidden_size"]),
@@ -97,7 +97,7 @@ class TextConfig:
                 latent_moe_use_norm=bool(d.get("latent_moe_use_norm", True)),
                 raw=d,
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # AttributeError: a list where an object belongs
             raise KimiQuantError(f"config.json: K3-family text config is missing or has a bad field: {e}") from None
 
     # -- layer structure ------------------------------------------------------------------
@@ -170,6 +170,8 @@ _ROLE_TABLE: list[tuple[str, str, str | None, bool, str | None]] = [
     (r"lm_head\.weight", "lm_head", None, True, None),
 ]
 _COMPILED = [(re.compile(p), role, mm, lin, fg) for p, role, mm, lin, fg in _ROLE_TABLE]
+#: every role ``ModelSpec.role`` can return (what recipe role keys may name)
+KNOWN_ROLES: tuple[str, ...] = tuple(sorted({r for _, r, *_ in _ROLE_TABLE} | {"vision", "other"}))
 _VISION = re.compile(r"(vision_tower|mm_projector|multi_modal_projector)\.")
 
 
@@ -289,8 +291,13 @@ def expected_tensors(t: TextConfig, prefix: str = "language_model.",
 
 def spec_from_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
     """Recognise the K3 family from a parsed config.json, or refuse naming what is supported."""
+    if not isinstance(config, dict):
+        raise KimiQuantError(f"{source}: expected a JSON object, got a {type(config).__name__}")
     model_type = config.get("model_type")
-    if model_type == "kimi_k3" and isinstance(config.get("text_config"), dict):
+    if model_type == "kimi_k3":
+        if not isinstance(config.get("text_config"), dict):
+            raise KimiQuantError(f"{source}: model_type 'kimi_k3' needs a 'text_config' object, "
+                                 f"got {config.get('text_config')!r}")
         return ModelSpec("kimi_k3", TextConfig.from_dict(config["text_config"]), "language_model.", config)
     if model_type == "kimi_linear":
         return ModelSpec("kimi_linear", TextConfig.from_dict(config), "", config)
@@ -313,6 +320,8 @@ def load_model_spec(source_dir: str | Path) -> ModelSpec:
 def load_model_spec_from_source(source, recipe_given: bool = False) -> ModelSpec:
     """The spec of a Source's config.json; with a user recipe, an unknown family is converted generically."""
     config = source.read_json("config.json")
+    if not isinstance(config, dict):  # before config.get below
+        raise KimiQuantError(f"{source.id}/config.json: expected a JSON object, got a {type(config).__name__}")
     try:
         return spec_from_config(config, f"{source.id}/config.json")
     except KimiQuantError:

@@ -24,6 +24,7 @@ DEFAULT_RECIPE = "kimi_k3.toml"
 class Rule:
     pattern: str
     scheme: str
+    override: bool = False  # from --override: a pattern that matches no tensor is a typo, refused by make_plan
 
     def matches(self, name: str) -> bool:
         return fnmatch.fnmatchcase(name, self.pattern) or fnmatch.fnmatchcase(name.removesuffix(".weight"), self.pattern)
@@ -60,7 +61,8 @@ class Recipe:
             pattern, sep, scheme = text.rpartition("=")
             if not sep or not pattern or not scheme:
                 raise RecipeError(f"--override {text!r}: expected PATTERN=SCHEME, e.g. '*.mlp.down_proj=FLOAT'")
-            rules.append(Rule(pattern.strip(), _check_scheme(scheme.strip(), f"--override {text!r}")))
+            rules.append(Rule(pattern.strip(), _check_scheme(scheme.strip(), f"--override {text!r}", self.target),
+                              override=True))
         return Recipe(self.name, self.target, self.default, self.roles, tuple(rules), self.text)
 
     @property
@@ -75,40 +77,63 @@ class Recipe:
                 "rules": [{"pattern": r.pattern, "scheme": r.scheme} for r in self.rules], "sha256": self.sha256}
 
 
-def _check_scheme(scheme: str, where: str) -> str:
+def _check_scheme(scheme: str, where: str, target: str) -> str:
     from ..quant import REGISTRY
+    from ..targets import TARGETS
 
     if scheme != FLOAT and scheme not in REGISTRY:
         raise RecipeError(f"{where}: unknown scheme {scheme!r}; known: {', '.join([FLOAT, *sorted(REGISTRY)])}")
+    t = TARGETS.get(target)
+    if t is not None and not t.allows(scheme):
+        raise RecipeError(f"{where}: scheme {scheme} is not for target {t.name} (it takes {t.scheme_names()})")
     return scheme
+
+
+def _table(value, what: str, where: str, kind=dict):
+    """``value`` if it is a TOML table (or array, for ``kind=list``); absent means empty."""
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        shape = "a table" if kind is dict else "an array of tables"
+        raise RecipeError(f"{where}: {what} must be {shape}, got {type(value).__name__} {value!r}")
+    return value
 
 
 def load_recipe(target: str, path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """The recipe for ``target`` from ``path`` (default: the shipped Kimi K3 recipe), with overrides applied."""
+    from ..model.spec import KNOWN_ROLES
+
     if path is None:
-        text = resources.files(__package__).joinpath(DEFAULT_RECIPE).read_text()
+        text = resources.files(__package__).joinpath(DEFAULT_RECIPE).read_text(encoding="utf-8")
         where = f"built-in recipe {DEFAULT_RECIPE}"
     else:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale says
         except OSError as e:
             raise RecipeError(f"{path}: cannot read recipe ({e.strerror})") from None
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"{path}: not a TOML recipe (not UTF-8 text: byte {e.start})") from None
         where = str(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{where}: not valid TOML ({e})") from None
-    section = (data.get("targets") or {}).get(target)
+    targets = _table(data.get("targets"), "'targets'", where)
+    section = targets.get(target)
     if not isinstance(section, dict):
-        have = ", ".join(sorted((data.get("targets") or {}))) or "none"
+        have = ", ".join(sorted(targets)) or "none"
         raise RecipeError(f"{where}: no [targets.{target}] section (it has: {have})")
-    default = _check_scheme(str(section.get("default", FLOAT)), where)
-    roles = {str(k): _check_scheme(str(v), f"{where} [targets.{target}.roles] {k}")
-             for k, v in (section.get("roles") or {}).items()}
+    default = _check_scheme(str(section.get("default", FLOAT)), f"{where} [targets.{target}] default", target)
+    roles = {}
+    for k, v in _table(section.get("roles"), f"[targets.{target}.roles]", where).items():
+        if not any(fnmatch.fnmatchcase(r, k) for r in KNOWN_ROLES):
+            raise RecipeError(f"{where}: [targets.{target}.roles] {k!r} names no role; known roles: "
+                              f"{', '.join(KNOWN_ROLES)} (globs allowed)")
+        roles[str(k)] = _check_scheme(str(v), f"{where} [targets.{target}.roles] {k}", target)
     rules = []
-    for i, r in enumerate(section.get("rules") or []):
+    for i, r in enumerate(_table(section.get("rules"), f"[[targets.{target}.rules]]", where, list)):
         if not isinstance(r, dict) or "pattern" not in r or "scheme" not in r:
             raise RecipeError(f"{where}: [[targets.{target}.rules]] entry {i} needs 'pattern' and 'scheme'")
-        rules.append(Rule(str(r["pattern"]), _check_scheme(str(r["scheme"]), f"{where} rule {r['pattern']!r}")))
+        rules.append(Rule(str(r["pattern"]), _check_scheme(str(r["scheme"]), f"{where} rule {r['pattern']!r}", target)))
     recipe = Recipe(str(data.get("name", Path(where).stem)), target, default, roles, tuple(rules), text)
     return recipe.with_overrides(list(overrides or []))
