@@ -33,26 +33,57 @@ def parse_size(text: str) -> int:
 class Size(click.ParamType):
     name = "SIZE"
 
+    def __init__(self, minimum: int = 1):
+        self.minimum = minimum
+
     def convert(self, value, param, ctx):
-        return value if isinstance(value, int) else parse_size(value)
+        n = value if isinstance(value, int) else parse_size(value)
+        if n < self.minimum:
+            self.fail(f"{value!r} is below the minimum of {self.minimum:,} bytes", param, ctx)
+        return n
+
+
+SIZE_UNITS = "KB/MB/GB = 10^3/10^6/10^9 bytes, KiB/MiB/GiB = 2^10/2^20/2^30"
+# Below this an output shard holds a tensor or two and the index lists thousands of files: a typo.
+MIN_SHARD_SIZE = 64 * 1024
 
 
 def _gb(n: int | float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _os_message(e: OSError) -> str:
+    """'PATH: reason' (as the shell says it) for an OSError the user can fix: read-only, missing, full disk."""
+    reason = e.strerror or str(e)
+    if e.filename is None:
+        return reason
+    return f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "") + f": {reason}"
+
+
 class _Group(click.Group):
     def invoke(self, ctx):
+        # Subcommands parse their options inside Group.invoke, so bad option values land here as well.
         try:
             return super().invoke(ctx)
         except KimiQuantError as e:
-            if ctx.obj and ctx.obj.get("debug"):
-                traceback.print_exc()
-            click.echo(f"kimi-quant: error: {e}", err=True)
-            sys.exit(e.exit_code)
+            self._fail(ctx, str(e), e.exit_code)
+        except click.UsageError as e:
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            self._fail(ctx, e.format_message() + where, 2)
+        except click.ClickException as e:
+            self._fail(ctx, e.format_message(), 2)
+        except OSError as e:  # unwritable or missing paths: the user's to fix, not a bug
+            self._fail(ctx, _os_message(e), 2)
         except KeyboardInterrupt:
             click.echo("kimi-quant: interrupted; re-run the same command to resume", err=True)
             sys.exit(130)
+
+    @staticmethod
+    def _fail(ctx, message: str, code: int):
+        if ctx.obj and ctx.obj.get("debug"):
+            traceback.print_exc()  # called from an except block: the exception being handled
+        click.echo(f"kimi-quant: error: {message}", err=True)
+        sys.exit(code)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -95,9 +126,10 @@ def _plan_options(f):
         click.option("--target", "-t", required=True, help="Device family: a3 (W4A8 int) or 950dt (W4A8 MXFP)."),
         click.option("--recipe", type=click.Path(dir_okay=False), help="Recipe TOML replacing the built-in one."),
         click.option("--override", "overrides", multiple=True, metavar="PATTERN=SCHEME",
-                     help="Set the scheme of tensors matching a glob, e.g. '*.layers.3.*=FLOAT'. Repeatable."),
-        click.option("--max-shard-size", type=Size(), default="4GiB", show_default=True,
-                     help="Largest output shard."),
+                     help="Set the scheme of tensors matching a glob, e.g. '*.layers.3.*=FLOAT' (it must match some "
+                          "tensor; the scheme must be one the --target runs). Repeatable."),
+        click.option("--max-shard-size", type=Size(MIN_SHARD_SIZE), default="4GiB", show_default=True,
+                     help=f"Largest output shard, at least 64KiB ({SIZE_UNITS})."),
         click.option("--revision", help="Hub branch, tag or commit (resolved to a commit sha once)."),
     ]):
         f = deco(f)
@@ -113,7 +145,8 @@ def _open(source, revision, work_dir=None):
 # -- plan ---------------------------------------------------------------------------------------
 @main.command(short_help="Dry run from headers only: schemes, sizes, shards, memory.")
 @_plan_options
-@click.option("--workers", type=int, default=None, help="Worker processes the memory estimate assumes (default: cores).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Worker processes the memory estimate assumes (default: cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full plan as JSON.")
 @click.option("--shards/--no-shards", "show_shards", default=True, help="List the output shard layout.")
 def plan(source, target, recipe, overrides, max_shard_size, revision, workers, json_path, show_shards):
@@ -125,6 +158,13 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
         p = build_plan(src, target, recipe, overrides, max_shard_size)
     finally:
         src.close()
+    if json_path:  # first: an unwritable path fails before any of the plan is printed
+        from .write import write_atomic
+
+        try:
+            write_atomic(json_path, json.dumps(p.to_json(), indent=1).encode())
+        except OSError as e:
+            raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
     workers = workers or os.cpu_count() or 1
     counts = p.scheme_counts()
     in_by, out_by = {}, {}
@@ -148,7 +188,6 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
             needs = ", ".join(u.needs[:3]) + (f" (+{len(u.needs) - 3})" if len(u.needs) > 3 else "")
             click.echo(f"  {u.file}  {len(u.tensors):6d} tensors  {_gb(u.out_bytes):>10s}  <- {needs}")
     if json_path:
-        Path(json_path).write_text(json.dumps(p.to_json(), indent=1))
         click.echo(f"plan written to {json_path}")
 
 
@@ -156,13 +195,13 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
 @main.command(short_help="Convert a BF16 checkpoint (dir or hub repo) for a device.")
 @_plan_options
 @click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--workers", type=int, default=None, help="Worker processes (default: one per core).")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Worker processes (default: one per core).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run units in local processes or as Ray tasks (pip install kimi-quant[ray]).")
 @click.option("--ray-address", help="Ray cluster address (default: start or join a local one).")
 @click.option("--overwrite", is_flag=True, help="Replace an output directory holding another conversion.")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards are staged.")
-@click.option("--max-disk", type=Size(), help="Hub sources: most bytes of source shards staged at once.")
+@click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
 @click.option("--keep-source", is_flag=True, help="Hub sources: keep staged shards after use.")
 @click.option("--validate", "do_validate", is_flag=True, help="Measure perplexity vs BF16 after converting.")
 @click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
@@ -251,18 +290,25 @@ def verify(output, no_rehash):
 @click.option("--preset", type=click.Choice(["tiny", "bench", "full"]), default="tiny", show_default=True,
               help="tiny: the trained 1.7M-parameter K3.1-shaped model; bench: GB-sized, real expert shapes; "
                    "full: the real 2.8T K3.1 Pro inventory, headers only (implies --sparse).")
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False))
-@click.option("--num-experts", type=int, help="Experts per MoE layer (scales the checkpoint size).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--output", "-o", required=True, type=click.Path(file_okay=False),
+              help="Directory to write (created; must be empty unless --overwrite).")
+@click.option("--overwrite", is_flag=True,
+              help="Write into a non-empty directory, first deleting an earlier checkpoint's model-*.safetensors, "
+                   "index and config.json there (other files are kept).")
+@click.option("--num-experts", type=click.IntRange(min=1),
+              help="Routed experts per MoE layer, instead of the preset's (scales the checkpoint size; "
+                   "tiny then gets random weights).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--random-weights", is_flag=True, help="tiny: seeded random weights instead of the trained fixture.")
-@click.option("--shard-size", type=Size(), default="512MiB", show_default=True, help="bench/full: source shard size.")
+@click.option("--shard-size", type=Size(), default="512MiB", show_default=True,
+              help=f"bench/full: source shard size ({SIZE_UNITS}).")
 @click.option("--sparse", is_flag=True, help="Headers only, data left as holes: for `plan` without the bytes.")
-def synth(preset, output, num_experts, seed, random_weights, shard_size, sparse):
+def synth(preset, output, overwrite, num_experts, seed, random_weights, shard_size, sparse):
     """Write a K3.1-shaped BF16 checkpoint with the real tensor names (for tests, demos, benchmarks)."""
     from .model.synth import synth as run_synth
 
     out = run_synth(preset, output, seed=seed, num_experts=num_experts, shard_size=shard_size,
-                    random_weights=random_weights, progress=True, sparse=sparse)
+                    random_weights=random_weights, progress=True, sparse=sparse, overwrite=overwrite)
     click.echo(f"wrote {out}")
 
 
@@ -278,8 +324,8 @@ def demo(ctx, output, do_validate):
 
     out = Path(output)
     src = out / "tiny-bf16"
-    if not (src / "config.json").exists():
-        run_synth("tiny", src)
+    if not (src / "config.json").exists():  # config.json is written last: without it, an interrupted synth
+        run_synth("tiny", src, overwrite=True)
     click.echo(f"source: {src} (bundled tiny K3.1-shaped model)")
     for target in ("a3", "950dt"):
         dest = out / f"tiny-{target}"

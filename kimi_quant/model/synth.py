@@ -21,6 +21,7 @@ from ..dtypes import STORAGE, f32_to_bf16
 from ..source.safetensors import SafetensorsReader
 from ..write import ShardWriter, write_json_atomic
 from ..write.safetensors_writer import encode_header
+from ..errors import KimiQuantError
 from .presets import preset_config
 from .spec import spec_from_config
 
@@ -81,15 +82,40 @@ def _write_sparse(out: Path, tensors, shards: list[list[str]]) -> dict[str, str]
     return weight_map
 
 
+def _is_checkpoint_file(name: str) -> bool:
+    """Files an earlier synth (or any HF checkpoint) wrote, which would mix with or mislabel a new one."""
+    return (name.startswith("model") and name.endswith(".safetensors")) or name in (
+        "model.safetensors.index.json", "config.json", "README.md", *FIXTURE_FILES)
+
+
+def _prepare_output(out: Path, overwrite: bool) -> None:
+    """Refuse a non-empty directory (its config would be replaced and its other shards left behind);
+    with ``overwrite``, delete the previous checkpoint's files first."""
+    if out.exists() and not out.is_dir():
+        raise KimiQuantError(f"{out}: exists and is not a directory")
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if present and not overwrite:
+        raise KimiQuantError(f"{out} is not empty (it holds {present[0]!r}{' and more' if len(present) > 1 else ''}); "
+                             "choose another --output, or pass --overwrite to replace the checkpoint there")
+    for name in present:
+        if _is_checkpoint_file(name) and (out / name).is_file():
+            (out / name).unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
 def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | None = None,
           shard_size: int = 512 * 1024**2, random_weights: bool = False, progress: bool = False,
-          sparse: bool = False) -> Path:
+          sparse: bool = False, overwrite: bool = False) -> Path:
     """Write preset ``tiny``, ``bench`` or (``sparse`` only) ``full`` to ``output``; returns the directory.
 
     ``sparse``: headers only, tensor bytes left as holes (zeros) -- for ``plan`` on the real 2.8T inventory.
+    ``output`` must be empty or absent; ``overwrite`` first deletes an earlier checkpoint's files there.
+    Config and index are written last, so an interrupted run never looks like a complete checkpoint.
     """
+    if num_experts is not None and num_experts < 1:
+        raise KimiQuantError(f"--num-experts {num_experts}: a MoE layer needs at least 1 expert")
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
+    _prepare_output(out, overwrite)
     config = preset_config(preset, num_experts=num_experts)
     tensors = spec_from_config(config).expected_tensors()
     if sparse or preset == "full":

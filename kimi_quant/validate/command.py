@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from ..errors import KimiQuantError
+
+
+class _OneLineError(click.ClickException):
+    """A KimiQuantError as click sees it: under ``kimi-quant`` the group prints it like any other command's
+    error (one line, exit 2, the original traceback with --debug); run on its own (click.testing, an
+    embedding app) click's ``show`` prints the same line."""
+
+    exit_code = 2
+
+    def show(self, file=None):
+        click.echo(f"kimi-quant: error: {self.format_message()}", err=True)
 
 
 @click.command("validate", short_help="Perplexity and per-layer error of QUANTIZED vs BF16.")
@@ -17,20 +30,27 @@ from ..errors import KimiQuantError
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Window length (non-overlapping).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="REPORT",
               help="Write the full report as JSON here.")
-@click.option("--quiet", is_flag=True, help="No per-layer progress on stderr.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 @click.option("--eager-experts", is_flag=True, hidden=True,
               help="Load every routed expert of a layer up front (reference path; needs ~all experts in fp32).")
 def validate(source, quantized, calibration, max_tokens, seq_len, json_path, quiet, eager_experts):
     """Compare QUANTIZED (an ascendV1 output dir) with its BF16 SOURCE: perplexity on the same windows
-    and per-layer cosine / relative error, with the device's activation quantization simulated."""
+    and per-layer cosine / relative error, with the device's activation quantization simulated.
+    A kimi-quant output is verified first (as `kimi-quant verify`): a damaged shard fails, with no ratio."""
+    from ..journal import JOURNAL
+    from ..verify import verify_output
     from .run import format_table, run_validation
 
     try:
+        # Validation reads the output's tensors, not its hashes: a damaged shard would still give a ratio.
+        # Only kimi-quant outputs have a journal to check against; another tool's ascendV1 dir is taken as is.
+        if (Path(quantized) / JOURNAL).exists():
+            verify_output(quantized, rehash=True, quiet=quiet)
         report = run_validation(source, quantized, calibration=calibration, max_tokens=max_tokens,
                                 seq_len=seq_len, json_path=json_path, progress=not quiet,
                                 lazy_experts=not eager_experts)
     except KimiQuantError as e:
-        raise click.ClickException(str(e)) from None
+        raise _OneLineError(str(e)) from e
     click.echo(format_table(report))
     if json_path:
         click.echo(f"report written to {json_path}")
