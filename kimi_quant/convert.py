@@ -7,6 +7,7 @@ after a crash redoes only what the journal does not vouch for.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections import Counter, deque
@@ -18,7 +19,8 @@ from .errors import KimiQuantError
 from .executor import make_executor
 from .hashing import sha256_files
 from .journal import Journal, check_same_conversion
-from .layout.ascend_v1 import DESCRIPTION, INDEX, OWN_FILES, files_to_copy, provenance, write_metadata_files
+from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDATION, files_to_copy, provenance,
+                               write_metadata_files)
 from .model.spec import load_model_spec_from_source
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from .recipe import load_recipe
@@ -130,6 +132,21 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
             source.close()
 
 
+def _carry_validation(out_dir: Path, prov: dict, changed: bool) -> None:
+    """A validation report (--validate) stands while no shard was rewritten: keep it in the new
+    provenance; otherwise it describes other bytes, and goes."""
+    report = out_dir / VALIDATION
+    if changed:
+        report.unlink(missing_ok=True)
+        return
+    try:
+        old = json.loads((out_dir / PROVENANCE).read_text())
+    except (OSError, ValueError):
+        return
+    if report.exists() and isinstance(old, dict) and "validation" in old:
+        prov["validation"] = old["validation"]
+
+
 def _refuse_overlap(source_root: Path | None, out_dir: Path) -> None:
     """An output that is, holds or sits in the source directory would be cleared by --overwrite
     (deleting the BF16 shards) or copied into itself on every run."""
@@ -201,7 +218,9 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                   "sha256": journal.inputs.get(f) if journal.input_stamps.get(f) == entries[f].stamp else None}
               for f in sorted(plan.inputs)}
     units = {u.file: {k: journal.units[u.file][k] for k in ("size", "sha256")} for u in plan.units}
-    write_metadata_files(out_dir, plan, source, provenance(plan, inputs, dict(sorted(units.items()))))
+    prov = provenance(plan, inputs, dict(sorted(units.items())))
+    _carry_validation(out_dir, prov, changed=bool(todo))
+    write_metadata_files(out_dir, plan, source, prov)
     journal.mark_complete([INDEX, DESCRIPTION, "config.json", *files_to_copy(source)])
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
                          sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))

@@ -245,3 +245,22 @@ def test_an_output_overlapping_the_source_is_refused_and_the_source_kept(tiny_sr
     with pytest.raises(KimiQuantError, match=f"--output .* {how} the source directory .*: choose an output"):
         convert(str(src), _opts(out, overwrite=True))
     assert snapshot(src) == before
+
+
+def test_a_validation_report_stands_only_while_the_shards_do(tmp_path):
+    """convert --validate records a report; a no-op re-run keeps it, a run that rewrites shards drops it."""
+    from conftest import kq
+    from kimi_quant.model.synth import synth as run_synth
+
+    src = run_synth("tiny", tmp_path / "src")
+    out = tmp_path / "out"
+    args = ("convert", src, "-t", "a3", "-o", out, "--max-shard-size", "1MB", "-q")
+    assert kq(*args, "--validate").returncode == 0
+    prov = lambda: json.loads((out / "kimi_quant_provenance.json").read_text())  # noqa: E731
+    assert "validation" in prov() and (out / "kimi_quant_validation.json").exists()
+    assert kq(*args).returncode == 0
+    assert "validation" in prov() and (out / "kimi_quant_validation.json").exists()
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes())  # same bytes, new mtime: its units are redone
+    assert kq(*args).returncode == 0
+    assert "validation" not in prov() and not (out / "kimi_quant_validation.json").exists()

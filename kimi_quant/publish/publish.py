@@ -26,15 +26,12 @@ from pathlib import Path
 
 from ..errors import KimiQuantError
 from ..hashing import sha256_file
+from ..journal import JOURNAL
+from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 from ..source.hub import retry_after
 
 log = logging.getLogger(__name__)
 
-INDEX = "quant_model_weights.safetensors.index.json"
-DESCRIPTION = "quant_model_description.json"
-PROVENANCE = "kimi_quant_provenance.json"
-VALIDATION = "kimi_quant_validation.json"
-JOURNAL = "kimi_quant_journal.jsonl"
 SOURCE_README = "SOURCE_README.md"
 NOT_UPLOADED = (JOURNAL,)
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model", ".gguf", ".tiktoken")
