@@ -178,7 +178,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     from tqdm import tqdm
 
     total = sum(u.in_bytes for u in todo)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"convert {plan.target}",
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
     executor.on_progress = bar.update
     users = Counter(f for u in todo for f in u.needs)

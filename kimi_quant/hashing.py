@@ -51,7 +51,7 @@ def sha256_files(paths: list[Path], desc: str | None = None, quiet: bool = False
     from tqdm import tqdm
 
     total = sum(os.path.getsize(p) for p in paths)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, dynamic_ncols=True,
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, dynamic_ncols=True,
                disable=quiet or desc is None or total < 1 << 30)
     lock = threading.Lock()
 
