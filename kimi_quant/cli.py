@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import KimiQuantError
+from .errors import KimiQuantError, ValidationFailed
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -75,7 +75,9 @@ class _Group(click.Group):
         except OSError as e:  # unwritable or missing paths: the user's to fix, not a bug
             self._fail(ctx, _os_message(e), 2)
         except KeyboardInterrupt:
-            click.echo("kimi-quant: interrupted; re-run the same command to resume", err=True)
+            resumable = ctx.invoked_subcommand in ("convert", "demo")
+            click.echo("kimi-quant: interrupted" + ("; re-run the same command to resume" if resumable else ""),
+                       err=True)
             sys.exit(130)
 
     @staticmethod
@@ -88,7 +90,9 @@ class _Group(click.Group):
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kimi-quant")
-@click.option("--debug", is_flag=True, envvar="KIMI_QUANT_DEBUG", help="Show tracebacks on errors.")
+@click.option("--debug", is_flag=True, envvar="KIMI_QUANT_DEBUG",
+              help="Show tracebacks on errors (give it before the command: kimi-quant --debug convert ...; "
+                   "or set KIMI_QUANT_DEBUG=1).")
 @click.pass_context
 def main(ctx, debug):
     """Convert BF16 Kimi K3 / K3.1 checkpoints into Ascend ascendV1 quantized checkpoints.
@@ -205,7 +209,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
 @click.option("--keep-source", is_flag=True, help="Hub sources: keep staged shards after use.")
 @click.option("--validate", "do_validate", is_flag=True, help="Measure perplexity vs BF16 after converting.")
 @click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
-              help="With --validate: fail if quantized perplexity exceeds BF16 by more than PCT percent.")
+              help="With --validate: fail (exit code 3) if quantized perplexity exceeds BF16 by more than PCT "
+                   "percent.")
 @click.option("--push-to", metavar="ORG/NAME", help="Publish the verified output to this hub repo.")
 @click.option("--hash-inputs/--no-hash-inputs", default=False, show_default=True,
               help="sha256 every local source shard for the provenance: about as much CPU as the conversion "
@@ -238,9 +243,12 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
     p = res.plan
     if not quiet:
         counts = ", ".join(f"{s} {n}" for s, n in sorted(p.scheme_counts().items()))
-        click.echo(f"done in {res.seconds:.1f} s: {res.converted_units} shards written"
-                   + (f", {res.reused_units} verified and kept" if res.reused_units else "")
-                   + f"; {_gb(res.in_bytes_done)} in at {res.gbps:.2f} GB/s")
+        if res.converted_units:
+            click.echo(f"done in {res.seconds:.1f} s: {res.converted_units} shards written"
+                       + (f", {res.reused_units} verified and kept" if res.reused_units else "")
+                       + f"; {_gb(res.in_bytes_done)} in at {res.gbps:.2f} GB/s")
+        else:
+            click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {res.reused_units} shards verified and kept")
         click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {len(p.units)} shards; tensors: {counts}")
         if res.peak_staged_bytes is not None:
             click.echo(f"peak staging disk {_gb(res.peak_staged_bytes)}")
@@ -269,7 +277,7 @@ def _validate_after(source, out_dir, max_ppl_increase, quiet):
                           "max_ppl_increase_pct": max_ppl_increase, "passed": passed}
     write_json_atomic(prov_path, prov)
     if not passed:
-        raise KimiQuantError(f"validation failed: perplexity rose {increase:.2f}% (bound {max_ppl_increase}%); "
+        raise ValidationFailed(f"validation failed: perplexity rose {increase:.2f}% (bound {max_ppl_increase}%); "
                              f"the output stays in {out_dir}, marked as failing in its provenance")
 
 

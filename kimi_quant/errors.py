@@ -21,3 +21,9 @@ class BadCheckpoint(KimiQuantError):
 
 class RecipeError(KimiQuantError):
     """The recipe cannot be applied to this model (refused before any work starts)."""
+
+
+class ValidationFailed(KimiQuantError):
+    """The output converted fine but its perplexity rose past the user's bound (--max-ppl-increase)."""
+
+    exit_code = 3

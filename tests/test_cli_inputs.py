@@ -258,3 +258,17 @@ def test_readme_full_inventory_command_gives_what_it_claims(tmp_path):
     assert len(index["weight_map"]) == tensors
     assert len(set(index["weight_map"].values())) == shards == len(list((tmp_path / "full").glob("*.safetensors")))
     assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+
+
+# -- a perplexity bound that fails is its own exit code ---------------------------------------------
+def test_failed_perplexity_bound_exits_3_and_marks_the_provenance(tmp_path):
+    out = tmp_path / "out"
+    fixture = ROOT / "kimi_quant" / "model" / "fixtures" / "tiny"  # the trained model, with its tokenizer
+    r = kq("convert", fixture, "-t", "a3", "-o", out, "--max-shard-size", "1MB", "-q",
+           "--validate", "--max-ppl-increase", "-50")  # a bound no quantized model meets
+    assert r.returncode == 3, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"kimi-quant: error: validation failed: perplexity rose -?\d+\.\d+% \(bound -50\.0%\); "
+                        r"the output stays in .*, marked as failing in its provenance", line), r.stderr
+    prov = json.loads((out / "kimi_quant_provenance.json").read_text())
+    assert prov["validation"]["passed"] is False and prov["validation"]["max_ppl_increase_pct"] == -50.0
