@@ -272,3 +272,10 @@ def test_failed_perplexity_bound_exits_3_and_marks_the_provenance(tmp_path):
                         r"the output stays in .*, marked as failing in its provenance", line), r.stderr
     prov = json.loads((out / "kimi_quant_provenance.json").read_text())
     assert prov["validation"]["passed"] is False and prov["validation"]["max_ppl_increase_pct"] == -50.0
+
+
+def test_synth_refuses_fewer_experts_than_a_token_is_routed_to(tmp_path):
+    out = tmp_path / "b"
+    line = refused("synth", "--preset", "bench", "--num-experts", "2", "-o", out, out=out)
+    assert line == ("kimi-quant: error: --num-experts 2: preset bench routes each token to 4 experts, "
+                    "so it needs at least that many")

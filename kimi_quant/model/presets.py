@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ..errors import KimiQuantError
+
 _TINY_TEXT: dict[str, Any] = {
     "model_type": "kimi_k3_text",
     "vocab_size": 1024,
@@ -149,6 +151,9 @@ def preset_config(name: str, num_experts: int | None = None) -> dict[str, Any]:
     elif name != "tiny":
         raise ValueError(f"unknown preset {name!r} (tiny, bench, full)")
     if num_experts:
+        if int(num_experts) < text["num_experts_per_token"]:
+            raise KimiQuantError(f"--num-experts {num_experts}: preset {name} routes each token to "
+                                 f"{text['num_experts_per_token']} experts, so it needs at least that many")
         text["num_experts"] = int(num_experts)
     return _wrap(text)
 

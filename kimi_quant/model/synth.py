@@ -114,9 +114,9 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
     """
     if num_experts is not None and num_experts < 1:
         raise KimiQuantError(f"--num-experts {num_experts}: a MoE layer needs at least 1 expert")
+    config = preset_config(preset, num_experts=num_experts)  # refuses bad arguments before any file is touched
     out = Path(output)
     _prepare_output(out, overwrite)
-    config = preset_config(preset, num_experts=num_experts)
     tensors = spec_from_config(config).expected_tensors()
     if sparse or preset == "full":
         weight_map = _write_sparse(out, tensors, _assign_shards(tensors, shard_size, scatter=0))
