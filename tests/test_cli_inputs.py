@@ -218,13 +218,13 @@ def test_synth_refuses_a_non_empty_dir_and_overwrite_replaces(tmp_path):
     assert line == (f"kimi-quant: error: {out} is not empty (it holds 'config.json' and more); choose another "
                     "--output, or pass --overwrite to replace the checkpoint there")
     assert (out / "config.json").read_text() == "{}"
-    r = kq("synth", "-o", out, "--overwrite", "--num-experts", "2")
+    r = kq("synth", "-o", out, "--overwrite", "--num-experts", "5")
     assert r.returncode == 0, r.stderr
     assert not (out / "model-00009-of-00009.safetensors").exists()
     assert (out / "keep.txt").read_text() == "mine"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {p.name for p in out.glob("model-*.safetensors")}
-    assert json.loads((out / "config.json").read_text())["text_config"]["num_experts"] == 2
+    assert json.loads((out / "config.json").read_text())["text_config"]["num_experts"] == 5
 
 
 def test_synth_help_texts():
