@@ -279,3 +279,30 @@ def test_synth_refuses_fewer_experts_than_a_token_is_routed_to(tmp_path):
     line = refused("synth", "--preset", "bench", "--num-experts", "2", "-o", out, out=out)
     assert line == ("kimi-quant: error: --num-experts 2: preset bench routes each token to 4 experts, "
                     "so it needs at least that many")
+
+
+# -- validate against the wrong source ------------------------------------------------------------
+def test_validate_refuses_a_source_that_is_not_the_outputs_and_warns_on_an_implausible_ratio(tmp_path):
+    fixture = ROOT / "kimi_quant" / "model" / "fixtures" / "tiny"
+    out = tmp_path / "out"
+    assert kq("convert", fixture, "-t", "a3", "-o", out, "-q").returncode == 0
+    other = tmp_path / "other"
+    shutil.copytree(fixture, other)
+    with open(other / "model.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    line = refused("validate", other, out, "-q")
+    assert line == (f"kimi-quant: error: {other}/model.safetensors has {(fixture / 'model.safetensors').stat().st_size + 8} "
+                    f"bytes, the output was made from {(fixture / 'model.safetensors').stat().st_size} "
+                    f"({out}/kimi_quant_provenance.json): validate against the checkpoint the output was converted from")
+    zeroed = tmp_path / "zeroed"  # same files and sizes, other weights (no sha256 recorded to tell them apart)
+    shutil.copytree(fixture, zeroed)
+    from kimi_quant.source.safetensors import read_header
+
+    emb = next(t for n, t in read_header(zeroed / "model.safetensors")[0].items() if "embed_tokens" in n)
+    data = bytearray((zeroed / "model.safetensors").read_bytes())
+    data[emb.start:emb.end] = bytes(emb.end - emb.start)
+    (zeroed / "model.safetensors").write_bytes(bytes(data))
+    r = kq("validate", zeroed, out, "-q")
+    assert r.returncode == 0, r.stderr
+    assert re.search(rf"kimi-quant: warning: a perplexity ratio of 0\.\d+ is implausible for a faithful "
+                     rf"quantization: is {re.escape(str(zeroed))} the checkpoint", r.stderr), r.stderr

@@ -20,6 +20,33 @@ class _OneLineError(click.ClickException):
         click.echo(f"kimi-quant: error: {self.format_message()}", err=True)
 
 
+def _check_source(source: Path, quantized: Path) -> None:
+    """Refuse a SOURCE whose shards differ from those the output's provenance records (size, and the
+    sha256 where both sides know it; nothing is hashed here): another checkpoint gives a meaningless ratio."""
+    import json
+
+    from ..layout.ascend_v1 import PROVENANCE
+    from ..source.local import LocalSource
+
+    try:
+        inputs = json.loads((quantized / PROVENANCE).read_text()).get("inputs") or {}
+    except (OSError, ValueError, AttributeError):
+        return  # nothing to compare with
+    here = {f.name: f for f in LocalSource(source).files()}
+    for name, rec in sorted(inputs.items()):
+        f = here.get(name)
+        if f is None:
+            why = "is missing"
+        elif f.size != rec.get("size"):
+            why = f"has {f.size} bytes, the output was made from {rec.get('size')}"
+        elif rec.get("sha256") and f.sha256 and f.sha256 != rec["sha256"]:
+            why = "has another sha256 than the output was made from"
+        else:
+            continue
+        raise KimiQuantError(f"{source}/{name} {why} ({quantized}/{PROVENANCE}): validate against the "
+                             "checkpoint the output was converted from")
+
+
 @click.command("validate", short_help="Perplexity and per-layer error of QUANTIZED vs BF16.")
 @click.argument("source", type=click.Path(exists=True, file_okay=False))
 @click.argument("quantized", type=click.Path(exists=True, file_okay=False))
@@ -46,11 +73,15 @@ def validate(source, quantized, calibration, max_tokens, seq_len, json_path, qui
         # Only kimi-quant outputs have a journal to check against; another tool's ascendV1 dir is taken as is.
         if (Path(quantized) / JOURNAL).exists():
             verify_output(quantized, rehash=True, quiet=quiet)
+            _check_source(Path(source), Path(quantized))
         report = run_validation(source, quantized, calibration=calibration, max_tokens=max_tokens,
                                 seq_len=seq_len, json_path=json_path, progress=not quiet,
                                 lazy_experts=not eager_experts)
     except KimiQuantError as e:
         raise _OneLineError(str(e)) from e
     click.echo(format_table(report))
+    if not 0.8 <= report["ratio"] <= 2.0:
+        click.echo(f"kimi-quant: warning: a perplexity ratio of {report['ratio']:.4f} is implausible for a faithful "
+                   f"quantization: is {source} the checkpoint {quantized} was converted from?", err=True)
     if json_path:
         click.echo(f"report written to {json_path}")
