@@ -39,21 +39,19 @@ _ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THR
 def _worker_birth():
     """Processes started inside (the fork server, and so every worker it forks) inherit:
 
-    * SIGINT ignored (kept across exec; Python then installs no handler): Ctrl-C reaches the driver
-      alone, which aborts the workers, and no worker prints a KeyboardInterrupt traceback;
+    * SIGINT blocked (the mask survives fork and exec, and nothing there unblocks it): Ctrl-C reaches
+      the driver alone, which aborts the workers, and no worker prints a KeyboardInterrupt traceback.
+      Blocked rather than ignored in the driver, so a Ctrl-C that lands meanwhile is delivered
+      afterwards instead of being lost;
     * single-threaded BLAS / OpenMP (``_ONE_THREAD``, unless the user set them)."""
     saved_env = {k: os.environ.get(k) for k in _ONE_THREAD}
     for k, v in _ONE_THREAD.items():
         os.environ.setdefault(k, v)
-    try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: leave signals alone
-        previous = None
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -62,7 +60,7 @@ def _worker_birth():
 def _init_worker(q, driver: int) -> None:
     global _progress_queue
     _progress_queue = q
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # already so when the fork server started inside _worker_birth
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # blocked already when the fork server started inside _worker_birth
     threading.Thread(target=_exit_with_driver, args=(driver,), daemon=True).start()
 
 
