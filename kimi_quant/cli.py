@@ -203,7 +203,9 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run units in local processes or as Ray tasks (pip install kimi-quant[ray]).")
 @click.option("--ray-address", help="Ray cluster address (default: start or join a local one).")
-@click.option("--overwrite", is_flag=True, help="Replace an output directory holding another conversion.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an earlier kimi-quant conversion (other target, recipe or source) in --output. "
+                   "A directory of other files is never cleared.")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards are staged.")
 @click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
 @click.option("--keep-source", is_flag=True, help="Hub sources: keep staged shards after use.")

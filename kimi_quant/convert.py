@@ -80,15 +80,15 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool) -> Journal:
     fingerprint = plan.fingerprint()
     # A journal torn before its first line was complete (and stale .partial files) mean a kimi-quant
     # run died at its very start: not someone else's files.
-    foreign = journal.start is None and any(p.name != journal.path.name and p.suffix != ".partial"
-                                            for p in out_dir.iterdir())
+    others = sorted(p.name for p in out_dir.iterdir() if p.name != journal.path.name and p.suffix != ".partial")
+    if journal.start is None and others:  # never cleared, even with --overwrite: it may be anyone's directory
+        raise KimiQuantError(f"{out_dir} is not empty (it holds {others[0]!r}{' and more' if len(others) > 1 else ''}) "
+                             "and is not a kimi-quant output; choose an empty or new --output "
+                             "(--overwrite only replaces an earlier kimi-quant output)")
     differs = journal.start is not None and journal.start.get("fingerprint") != fingerprint
-    if (foreign or differs) and not overwrite:
-        if foreign:
-            raise KimiQuantError(f"{out_dir} is not empty and holds no kimi-quant journal; use --overwrite "
-                                 "to replace its contents, or choose another --output")
+    if differs and not overwrite:
         check_same_conversion(journal, fingerprint, summary, out_dir)
-    if (foreign or differs) and overwrite:
+    if differs and overwrite:
         _clear_output(out_dir)
         journal = Journal(out_dir)
     for stale in out_dir.rglob("*.partial"):  # copied files may live in subdirectories

@@ -276,14 +276,20 @@ def test_overwrite_replaces_another_conversion(interrupted, tmp_path, tiny_sourc
     assert not (out / "user_file.txt").exists()
 
 
-def test_a_foreign_directory_is_refused(mid_source, tmp_path):
+def test_a_foreign_directory_is_refused_even_with_overwrite(mid_source, tmp_path):
+    """--overwrite replaces an earlier kimi-quant output, never a directory of someone else's files
+    (`-o ~ --overwrite` must not empty a home directory)."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "important.bin").write_bytes(b"x" * 10)
-    r = kq(*convert_args(mid_source, out))
-    assert r.returncode != 0
-    assert "--overwrite" in error_line(r.stderr)
-    assert sorted(os.listdir(out)) == ["important.bin"]
+    (out / "sub").mkdir()
+    for extra in ((), ("--overwrite",)):
+        r = kq(*convert_args(mid_source, out), *extra)
+        assert r.returncode == 2
+        assert error_line(r.stderr) == (f"kimi-quant: error: {out} is not empty (it holds 'important.bin' and more) "
+                                        "and is not a kimi-quant output; choose an empty or new --output "
+                                        "(--overwrite only replaces an earlier kimi-quant output)")
+        assert sorted(os.listdir(out)) == ["important.bin", "sub"]
 
 
 def _children(pid: int) -> list[int]:
