@@ -118,7 +118,8 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     try:
         source = open_source(source_spec, revision=opts.revision, **opts.source_options)
         out_dir = Path(opts.output).resolve()
-        _refuse_overlap(getattr(source, "root", None), out_dir)
+        _refuse_overlap(getattr(source, "root", None), out_dir, "the source directory")
+        _refuse_overlap(getattr(source, "work_dir", None), out_dir, "the hub staging directory (--work-dir)")
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
         journal = prepare_output(out_dir, plan, opts.overwrite)
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)
@@ -147,17 +148,16 @@ def _carry_validation(out_dir: Path, prov: dict, changed: bool) -> None:
         prov["validation"] = old["validation"]
 
 
-def _refuse_overlap(source_root: Path | None, out_dir: Path) -> None:
+def _refuse_overlap(source_dir: Path | None, out_dir: Path, what: str) -> None:
     """An output that is, holds or sits in the source directory would be cleared by --overwrite
-    (deleting the BF16 shards) or copied into itself on every run."""
-    if source_root is None:
+    (deleting the BF16 shards) or copied into itself on every run; likewise the hub staging area."""
+    if source_dir is None:
         return
-    src = Path(source_root).resolve()
+    src = Path(source_dir).resolve()
     how = ("is" if out_dir == src else "is inside" if out_dir.is_relative_to(src)
            else "contains" if src.is_relative_to(out_dir) else None)
     if how:
-        raise KimiQuantError(f"--output {out_dir} {how} the source directory {src}: "
-                             "choose an output directory outside the source")
+        raise KimiQuantError(f"--output {out_dir} {how} {what} {src}: choose an output directory outside it")
 
 
 def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,

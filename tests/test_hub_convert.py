@@ -328,3 +328,14 @@ def test_hub_download_on_disk_keeps_the_hub_sha256(ckpts, hub_env, tmp_path, lay
         assert r.returncode == 0, r.stderr
         prov = json.loads((tmp_path / "out2" / PROVENANCE).read_text())
         assert {f: v["sha256"] for f, v in prov["inputs"].items()} == {**want, s.shards[0]: None}
+
+
+def test_output_overlapping_the_staging_dir_is_refused(ckpts, hub_env, tmp_path):
+    s = ckpts["layered"]
+    work = tmp_path / "work"
+    for out in (work, work / "out"):
+        r = kq("convert", s.repo_id, "--target", TARGET, "--output", out, "--work-dir", work, env=hub_env)
+        assert r.returncode == 2
+        how = "is" if out == work else "is inside"
+        assert error_line(r.stderr) == (f"kimi-quant: error: --output {out.resolve()} {how} the hub staging directory "
+                                        f"(--work-dir) {work.resolve()}: choose an output directory outside it")
