@@ -180,7 +180,17 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     total = sum(u.in_bytes for u in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
-    executor.on_progress = bar.update
+    # Until the first bytes are done the bar would sit at 0% with no word why (workers loading the
+    # kernels: ~20 s the first time, while numba compiles them; or the first hub shard downloading).
+    bar.set_postfix_str("starting: workers load the kernels (compiled on the first run)"
+                        + ("; first shards downloading" if getattr(source, "can_stage", None) else ""))
+
+    def advance(n: int) -> None:
+        if bar.postfix:
+            bar.set_postfix_str("", refresh=False)
+        bar.update(n)
+
+    executor.on_progress = advance
     users = Counter(f for u in todo for f in u.needs)
     source.prefetch([f for f in plan.source_order() if users[f]])
     pending = deque(todo)
