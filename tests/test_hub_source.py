@@ -218,6 +218,26 @@ def test_resume_skips_verified_shards(olah, repo, tmp_path):
     assert again.downloaded_bytes == len(repo.files[SHARDS[2]])
 
 
+def test_a_marked_file_damaged_with_its_mtime_restored_is_downloaded_again(olah, repo, tmp_path):
+    """The marker of an earlier run spares the download, not the check: a staged shard changed in
+    place (a disk error; an edit that restores the mtime) is re-hashed before use and fetched again."""
+    import os
+
+    src = open_hub(olah, repo, tmp_path, keep_source=True)
+    path = src.fetch(SHARDS[0])
+    st = path.stat()
+    bad = bytearray(path.read_bytes())
+    bad[-1] ^= 1
+    path.write_bytes(bytes(bad))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the marker's size and mtime still match
+    again = open_hub(olah, repo, tmp_path, keep_source=True)
+    assert again.header(SHARDS[0])  # planning trusts the marker (the header bytes are not the damage)
+    assert again.fetch(SHARDS[0]).read_bytes() == repo.files[SHARDS[0]]
+    assert again.downloaded_bytes == len(repo.files[SHARDS[0]])
+    third = open_hub(olah, repo, tmp_path, keep_source=True)  # right bytes now: hashed, not downloaded
+    assert third.fetch(SHARDS[0]).read_bytes() == repo.files[SHARDS[0]] and third.downloaded_bytes == 0
+
+
 def test_resume_hashes_unmarked_file_and_replaces_bad_one(olah, repo, tmp_path):
     src = open_hub(olah, repo, tmp_path)
     work = src.work_dir

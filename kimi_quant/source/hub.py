@@ -11,8 +11,8 @@ On disk, under ``work_dir``::
 
     <name>                      a verified shard (or a small file)
     .kq-hub/partial/<name>      a download in progress (resumed with HTTP Range when the server allows)
-    .kq-hub/verified/<name>.json  {sha256, size, mtime_ns}: proof the file next to it was verified,
-                                so a rerun does not download or re-hash it
+    .kq-hub/verified/<name>.json  {sha256, size, mtime_ns}: the file next to it was verified, so a
+                                rerun does not download it again (it re-hashes it once before use)
 
 The revision is resolved to a commit sha once; every request is pinned to it.
 """
@@ -103,6 +103,7 @@ class HubSource(Source):
         self.revision = self._resolve(self.requested_revision)
         self._files: dict[str, FileEntry] | None = None
         self._headers: dict[str, dict[str, TensorInfo]] = {}
+        self._hashed: set[str] = set()  # staged files hashed by this process (see _verified)
         # staging state, guarded by _cv
         self._cv = threading.Condition()
         self._plan: list[str] = []
@@ -258,7 +259,7 @@ class HubSource(Source):
             return self._headers[name]
         ent = self.entry(name)
         local = self.work_dir / name
-        if self._verified(name):
+        if self._verified(name, strict=False):
             self._headers[name] = read_header(local)[0]
             return self._headers[name]
         prefix = self._read_prefix(name, ent.size)
@@ -363,8 +364,13 @@ class HubSource(Source):
     def _partial(self, name: str) -> Path:
         return self.work_dir / META_DIR / "partial" / name
 
-    def _verified(self, name: str) -> bool:
-        """``work_dir/name`` exists and is the verified file for this revision (hashes it once if unmarked)."""
+    def _verified(self, name: str, strict: bool = True) -> bool:
+        """``work_dir/name`` exists and is the verified file for this revision.
+
+        A marker left by an earlier run proves only that the file was right then (a disk error or an
+        edit that restores the mtime leaves it in place): ``strict`` (conversion and small files)
+        re-hashes such a file once per process, which spares the download but not the check;
+        planning (``header``) trusts the marker, as the shard is checked again before it is converted."""
         ent = self.entry(name)
         path = self.work_dir / name
         try:
@@ -373,16 +379,19 @@ class HubSource(Source):
             return False
         if st.st_size != ent.size:
             return False
+        if name in self._hashed:
+            return True
         want = self._expected_digest(name)
         try:
             m = json.loads(self._marker(name).read_text())
             if m.get("digest") == want and m.get("size") == st.st_size and m.get("mtime_ns") == st.st_mtime_ns:
-                return True
+                if not strict:
+                    return True
         except (OSError, ValueError):
             pass
         if want is None:
             return False
-        if self._digest_file(path, name) == want:  # e.g. placed by a previous run without its marker
+        if self._digest_file(path, name) == want:  # an earlier run's file, with or without its marker
             self._mark(name)
             return True
         return False
@@ -410,6 +419,8 @@ class HubSource(Source):
         return tag + h.hexdigest()
 
     def _mark(self, name: str) -> None:
+        """Record ``name`` as hashed and right, in this process and (the marker) for later runs."""
+        self._hashed.add(name)
         st = (self.work_dir / name).stat()
         m = self._marker(name)
         m.parent.mkdir(parents=True, exist_ok=True)
@@ -629,6 +640,7 @@ class HubSource(Source):
             self._unreserve(name)
             self._cv.notify_all()
         if not self.keep_source:
+            self._hashed.discard(name)
             (self.work_dir / name).unlink(missing_ok=True)
             self._marker(name).unlink(missing_ok=True)
 
