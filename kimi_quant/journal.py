@@ -26,7 +26,7 @@ class Journal:
         self.start: dict | None = None
         self.units: dict[str, dict] = {}  # file -> {"size", "sha256"}
         self.inputs: dict[str, str] = {}  # source file -> sha256
-        self.input_stamps: dict[str, str | None] = {}  # source file -> "size:mtime_ns" when it was hashed
+        self.input_stamps: dict[str, str | None] = {}  # source file -> FileEntry.stamp (size:mtime:ctime) when it was hashed
         self.complete = False
         self.metadata: dict[str, str] = {}  # metadata file -> sha256, recorded at completion
         self._torn_tail = False  # the file ends in half a line: the next append starts a new one
@@ -81,7 +81,7 @@ class Journal:
         self._append({"kind": "unit", "file": file, "size": size, "sha256": sha256, "inputs": inputs})
 
     def record_input(self, file: str, sha256: str, stamp: str | None = None) -> None:
-        """Record a source file's sha256 (``stamp``: its size and mtime then, to notice a later change)."""
+        """Record a source file's sha256 (``stamp``: its size, mtime and ctime then, to notice a later change)."""
         if self.inputs.get(file) != sha256 or self.input_stamps.get(file) != stamp:
             self.inputs[file] = sha256
             self.input_stamps[file] = stamp

@@ -209,6 +209,21 @@ def test_a_source_shard_rewritten_in_place_redoes_the_units_made_from_it(tiny_sr
     verify_output(out)
 
 
+def test_a_source_shard_rewritten_with_its_mtime_restored_is_noticed(tiny_src, tmp_path):
+    """`cp -p` / `rsync -a` over a shard keep size and mtime: the ctime still tells."""
+    import os
+
+    src = fresh_copy(tiny_src, tmp_path, "src")
+    out = tmp_path / "out"
+    first = convert(str(src), _opts(out))
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    st = shard.stat()
+    shard.write_bytes(shard.read_bytes())  # the same bytes: only the timestamps move
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = convert(str(src), _opts(out))
+    assert again.converted_units == len([u for u in first.plan.units if shard.name in u.needs]) > 0
+
+
 def test_a_changed_config_is_rewritten_and_verifies(tiny_src, tmp_path):
     from kimi_quant.verify import verify_output
 

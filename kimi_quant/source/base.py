@@ -24,16 +24,17 @@ class FileEntry:
     name: str  # path relative to the repo root
     size: int
     sha256: str | None = None  # known for hub LFS files; None for local until hashed
-    mtime_ns: int | None = None  # local files: with size, tells whether a recorded hash is still valid
+    mtime_ns: int | None = None  # local files: with size and ctime, tells whether a recorded hash is still valid
+    ctime_ns: int | None = None  # changes on every write, even one that restores the mtime (cp -p, rsync -a)
 
     @property
     def stamp(self) -> str:
-        return f"{self.size}:{self.mtime_ns}"
+        return f"{self.size}:{self.mtime_ns}:{self.ctime_ns}"
 
     @property
     def identity(self) -> str:
-        """What must not change for an output made from this file to stay valid: size and mtime of
-        a local file (rewriting it in place changes the mtime), the sha256 of a hub file (pinned)."""
+        """What must not change for an output made from this file to stay valid: size, mtime and
+        ctime of a local file (any rewrite changes the ctime), the sha256 of a hub file (pinned)."""
         return self.stamp if self.mtime_ns is not None or not self.sha256 else f"sha256:{self.sha256}"
 
 

@@ -27,7 +27,7 @@ class LocalSource(Source):
                 st = p.stat()
                 rel = p.relative_to(self.root).as_posix()
                 out.append(FileEntry(rel, st.st_size, sha256=hub_recorded_sha256(self.root, rel, st),
-                                     mtime_ns=st.st_mtime_ns))
+                                     mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns))
         return out
 
     def read_bytes(self, name: str) -> bytes:
