@@ -36,17 +36,33 @@ def hub(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    """A real, verified ascendV1 output from the pipeline (tiny synthetic K3.1 -> a3)."""
-    from kimi_quant.convert import ConvertOptions, convert
+def synth_src(tmp_path_factory) -> Path:
     from kimi_quant.model.synth import synth
 
     src = tmp_path_factory.mktemp("src")
     synth("tiny", src, random_weights=True)
-    out = tmp_path_factory.mktemp("out")
-    convert(str(src), ConvertOptions(target="a3", output=out, workers=1, quiet=True, max_shard_size=1_000_000))
+    return src
+
+
+def _convert(src: Path, out: Path, target: str, max_shard_size: int) -> Path:
+    from kimi_quant.convert import ConvertOptions, convert
+
+    convert(str(src), ConvertOptions(target=target, output=out, workers=1, quiet=True, max_shard_size=max_shard_size))
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(synth_src, tmp_path_factory) -> Path:
+    """A real, verified ascendV1 output from the pipeline (tiny synthetic K3.1 -> a3)."""
+    out = _convert(synth_src, tmp_path_factory.mktemp("out"), "a3", 1_000_000)
     (out / "kimi_quant_validation.json").write_text(json.dumps({"perplexity": {"bf16": 9.9, "quant": 10.1}}))
     return out
+
+
+@pytest.fixture(scope="module")
+def converted_950dt(synth_src, tmp_path_factory) -> Path:
+    """The same model for the other target, other shard names, and no validation report."""
+    return _convert(synth_src, tmp_path_factory.mktemp("out950"), "950dt", 400_000)
 
 
 @pytest.fixture
@@ -75,10 +91,9 @@ def test_publish_uploads_verified_output_with_card(hub, output):
     assert remote["SOURCE_README.md"] == before["README.md"]  # the source card kept, not overwritten
     assert {p.name: p.read_bytes() for p in output.iterdir()} == before  # output dir untouched
     assert res.uploaded and res.commit == hub.refs("kq-org/tiny-a3")["main"]
-    # shards were uploaded over LFS and committed before the small files
+    # shards were uploaded over LFS, then ONE commit made them visible together with the small files
     assert hub.count("put") == len(shards)
-    commits = [r for r in hub.requests if r[1] == "commit"]
-    assert len(commits) == 2
+    assert hub.count("commit") == 1
 
 
 def test_rerun_uploads_nothing(hub, output):
@@ -125,7 +140,7 @@ def test_commit_500_once_is_retried(hub, output):
 
 def test_429_with_retry_after_is_honoured(hub, output):
     hub.inject("preupload", "429", times=1)
-    hub.inject("paths", "429", times=1)
+    hub.inject("info", "429", times=1)
     _pub(hub, output)
     assert "README.md" in hub.files_at("kq-org/tiny-a3")
 
@@ -142,6 +157,72 @@ def test_bad_token_is_one_line(hub, output):
     with pytest.raises(KimiQuantError, match="HF_TOKEN") as ei:
         _pub(hub, output, token="hf_wrong")
     assert "\n" not in str(ei.value)
+
+
+REPO = "kq-org/tiny-a3"
+
+
+def _expected(out: Path) -> dict[str, bytes]:
+    """What the branch must hold after publishing ``out``: its upload set (bytes), .gitattributes aside."""
+    from kimi_quant.publish.publish import upload_set
+
+    return {i.path_in_repo: i.data if i.local is None else i.local.read_bytes() for i in upload_set(out, REPO, None)}
+
+
+def test_republish_other_conversion_replaces_it(hub, output, converted_950dt, tmp_path):
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    _pub(hub, output)
+    a3 = set(hub.files_at(REPO))
+    # a hand-edited .gitattributes: publish never deletes or rewrites it
+    attrs = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.tiktoken filter=lfs diff=lfs merge=lfs -text\n"
+    HfApi(endpoint=hub.endpoint, token=TOKEN).create_commit(REPO, [CommitOperationAdd(".gitattributes", attrs)],
+                                                            commit_message="attrs")
+    before = hub.refs(REPO)["main"]
+    new = fresh_copy(converted_950dt, tmp_path, "out950")
+    res = _pub(hub, new)
+    remote, expected = hub.files_at(REPO), _expected(new)
+    assert remote.pop(".gitattributes") == attrs
+    assert set(remote) == set(expected)  # nothing of the a3 conversion is left
+    for name, data in expected.items():
+        if name != "README.md":  # the published card has the verify summary, this one not: see below
+            assert remote[name] == data, name
+    stale = a3 - set(expected) - {".gitattributes"}
+    assert any(p.startswith("quant_model_weights-") for p in stale) and "kimi_quant_validation.json" in stale
+    assert sorted(res.deleted) == sorted(stale)
+    assert "No validation report" in remote["README.md"].decode() and "950dt" in remote["README.md"].decode()
+    # the switch is one commit: no state in the branch's history mixes the two conversions
+    assert json.loads((hub.repo_dir(REPO) / "commits" / f"{res.commit}.json").read_text())["parent"] == before
+
+
+def test_interrupted_publish_leaves_previous_state(hub, output, converted_950dt, tmp_path):
+    _pub(hub, output)
+    before = hub.files_at(REPO)
+    new = fresh_copy(converted_950dt, tmp_path, "out950")
+    shards = sorted(new.glob("quant_model_weights-*.safetensors"))
+    hub.inject("commit", "500", times=2)  # every LFS upload succeeds, the commit never does
+    with pytest.raises(KimiQuantError, match="after 2 tries"):
+        _pub(hub, new, retries=2)
+    for p in shards:  # the shards did reach the hub's LFS store ...
+        assert hub.obj_path(hashlib.sha256(p.read_bytes()).hexdigest()).exists()
+    assert hub.files_at(REPO) == before  # ... but the branch is exactly the a3 conversion still, no mix
+    n_put = hub.count("put")
+    res = _pub(hub, new)  # the re-run sends no shard again and switches in one commit
+    assert hub.count("put") == n_put
+    assert set(hub.files_at(REPO)) - {".gitattributes"} == set(_expected(new))
+    assert res.deleted and res.uploaded
+
+
+def test_fake_hub_deletes_folders(hub):
+    """The fake speaks the real commit protocol's deletedFolder too (CommitOperationDelete of a folder)."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+
+    api = HfApi(endpoint=hub.endpoint, token=TOKEN)
+    api.create_repo("kq-org/f")
+    api.create_commit("kq-org/f", [CommitOperationAdd("d/a.txt", b"a"), CommitOperationAdd("d/e/b.txt", b"b"),
+                                   CommitOperationAdd("c.txt", b"c")], commit_message="add")
+    api.create_commit("kq-org/f", [CommitOperationDelete("d/")], commit_message="rm")
+    assert set(hub.files_at("kq-org/f")) == {".gitattributes", "c.txt"}
 
 
 def test_refuses_incomplete_output(hub, output):
@@ -169,7 +250,7 @@ def test_refuses_non_output(hub, tmp_path):
         _pub(hub, tmp_path / "x")
 
 
-def test_cli_command(hub, output, monkeypatch):
+def test_cli_command(hub, output, converted_950dt, monkeypatch):
     from click.testing import CliRunner
 
     from kimi_quant.publish.command import publish as cmd
@@ -181,6 +262,8 @@ def test_cli_command(hub, output, monkeypatch):
     assert "published" in r.output
     r = CliRunner().invoke(cmd, [str(output), "--repo-id", "kq-org/cli-test"])
     assert r.exit_code == 0 and "nothing to upload" in r.output
+    r = CliRunner().invoke(cmd, [str(converted_950dt), "--repo-id", "kq-org/cli-test"])
+    assert r.exit_code == 0 and "file(s) not in this output" in r.output, r.output
 
 
 # -- the hub source against the fake hub: Range resume and faults olah cannot produce ------------------

@@ -11,8 +11,10 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -243,3 +245,77 @@ def test_cli_joins_a_running_cluster(cluster, src, local_out, tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert lines[0].startswith(f"kimi-quant: error: unit {unit} failed after 1 attempt: ") and name in lines[0]
+
+
+# -- an address that cannot be reached: one line within seconds, never ray.init's minutes of retries ---
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound and released: nothing listens on it now
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_refused_ray_address_is_one_line(src, tmp_path):
+    port = _closed_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", TARGET, "-o",
+                        str(tmp_path / "out"), "--executor", "ray", "--ray-address", f"127.0.0.1:{port}", "-q"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0] == (f"kimi-quant: error: cannot reach the Ray cluster at 127.0.0.1:{port} (connection refused: "
+                        "nothing listens on that port): is `ray start --head` running there and the port open?")
+    assert time.monotonic() - t0 < 60
+
+
+def test_unresponsive_address_times_out(monkeypatch):
+    """A port whose accept queue is full drops SYNs, like a firewalled or unrouted host: the probe gives up."""
+    from kimi_quant.executor.ray_executor import PROBE_SECONDS, RayExecutor
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=2):  # fills the queue (never accepted)
+            t0 = time.monotonic()
+            with pytest.raises(KimiQuantError) as ei:
+                RayExecutor._init(f"127.0.0.1:{port}", None)
+            took = time.monotonic() - t0
+    assert str(ei.value) == (f"cannot reach the Ray cluster at 127.0.0.1:{port} (connection timed out after "
+                             f"{PROBE_SECONDS:g} s): is `ray start --head` running there and the port open?")
+    assert PROBE_SECONDS - 1 < took < PROBE_SECONDS + 5
+
+
+def test_test_net_address_fails_in_seconds(monkeypatch):
+    """192.0.2.1 (TEST-NET-1) is never a Ray cluster: timed out, unreachable or refused, in seconds."""
+    from kimi_quant.executor.ray_executor import PROBE_SECONDS, RayExecutor
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:  # a network whose proxy accepts every connection would let ray.init hang: nothing to test there
+        socket.create_connection(("192.0.2.1", 6379), timeout=PROBE_SECONDS).close()
+        pytest.skip("this network accepts TCP connections to 192.0.2.1 (a transparent proxy)")
+    except OSError:
+        pass
+    t0 = time.monotonic()
+    with pytest.raises(KimiQuantError, match=r"^cannot reach the Ray cluster at 192\.0\.2\.1:6379 \(") as ei:
+        RayExecutor._init("192.0.2.1:6379", None)
+    assert "\n" not in str(ei.value) and time.monotonic() - t0 < PROBE_SECONDS + 5
+
+
+def test_address_forms(monkeypatch):
+    from kimi_quant.executor.ray_executor import RayExecutor, check_reachable
+
+    port = _closed_port()
+    with pytest.raises(KimiQuantError, match=rf"^cannot reach the Ray cluster at ray://127\.0\.0\.1:{port} "
+                                             r"\(connection refused"):
+        check_reachable(f"ray://127.0.0.1:{port}")  # a Ray client address: its host:port is probed too
+    for bad in ("10.0.0.5", "10.0.0.5:abc", "10.0.0.5:99999", "http://10.0.0.5:6379", "10.0.0.5:6379/x", "[::1"):
+        with pytest.raises(KimiQuantError, match=r"does not parse: expected HOST:PORT"):
+            check_reachable(bad)
+    check_reachable("auto")  # found by Ray on this machine: not probed
+    # RAY_ADDRESS stands in for no address (and for 'auto'), and the message says where it came from
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    for address in (None, "auto"):
+        with pytest.raises(KimiQuantError, match=rf"at 127\.0\.0\.1:{port} \(from RAY_ADDRESS\) \(connection refused"):
+            RayExecutor._init(address, None)

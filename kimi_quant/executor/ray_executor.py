@@ -14,6 +14,8 @@ journal, index, description and provenance; a task returns only ``{file, size, s
   does not count twice); a driver thread drains it into ``on_progress``.
 - With no address, the executor joins ``RAY_ADDRESS`` or a cluster already running on this
   machine, else starts a small local one (and stops only that one on shutdown).
+- An address (``HOST:PORT``, ``ray://HOST:PORT``, or ``RAY_ADDRESS``) is probed with a timed TCP
+  connect first: ``ray.init`` retries an unreachable one for many minutes instead of failing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from typing import Callable
+from urllib.parse import urlsplit
 
 from .. import __version__
 from ..errors import KimiQuantError
@@ -39,6 +42,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 MAX_RETRIES = 3  # attempts = MAX_RETRIES + 1 for transient failures
 FLUSH_SECONDS = 0.5  # how often a task reports progress, and the driver drains it
 LOCAL_OBJECT_STORE = 200 * 2**20  # only paths go through the object store
+PROBE_SECONDS = 5.0  # how long a cluster address may take to accept a TCP connection
 
 # Failures that Ray retries: the worker process or its node went away, or a transient OSError.
 _SYSTEM_ERRORS = tuple(getattr(rex, n) for n in ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError",
@@ -138,6 +142,41 @@ def unit_failure(file: str, exc: BaseException) -> BaseException:
     return err
 
 
+def check_reachable(address: str, timeout: float = PROBE_SECONDS, origin: str = "") -> None:
+    """Raise a one-line KimiQuantError unless ``address`` accepts a TCP connection within ``timeout``.
+
+    ``ray.init`` never fails on an unreachable or refusing GCS: it retries for minutes, printing
+    warnings. 'auto' and 'local' are resolved or started by Ray on this machine and are not probed.
+    ``origin`` names where the address came from (RAY_ADDRESS), for a user who forgot it is set.
+    """
+    src = f" (from {origin})" if origin else ""
+    if address in ("auto", "local"):
+        return
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    try:
+        parts = urlsplit("//" + hostport)
+        host, port = parts.hostname, parts.port  # .port raises ValueError on a bad number
+        ok = bool(host) and port is not None and parts.netloc == hostport  # no scheme, path or query left
+    except ValueError:
+        ok = False
+    if not ok:
+        raise KimiQuantError(f"Ray address {address!r}{src} does not parse: expected HOST:PORT (e.g. 10.0.0.5:6379), "
+                             "ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return
+    except TimeoutError:
+        why = f"connection timed out after {timeout:g} s"
+    except ConnectionRefusedError:
+        why = "connection refused: nothing listens on that port"
+    except socket.gaierror as e:
+        why = f"cannot resolve host {host!r}: {e.strerror or e}"
+    except OSError as e:
+        why = e.strerror or str(e)
+    raise KimiQuantError(f"cannot reach the Ray cluster at {address}{src} ({why}): is `ray start --head` running there "
+                         "and the port open?")
+
+
 class RayExecutor:
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,
                  address: str | None = None, **_ignored):
@@ -159,6 +198,10 @@ class RayExecutor:
     @staticmethod
     def _init(address: str | None, workers: int | None) -> None:
         quiet = dict(logging_level=logging.WARNING, configure_logging=True)
+        env = os.environ.get("RAY_ADDRESS")
+        target = env if env and address in (None, "auto") else address  # Ray lets RAY_ADDRESS stand in for these
+        if target:
+            check_reachable(target, origin="" if target == address else "RAY_ADDRESS")
         try:
             if address or os.environ.get("RAY_ADDRESS"):
                 ray.init(address=address, **quiet)

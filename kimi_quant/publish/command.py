@@ -16,14 +16,17 @@ import click
 def publish(output, repo_id, private, branch, token, message, no_card):
     """Upload a verified conversion OUTPUT to the hub (HF_ENDPOINT selects the server).
 
-    Refuses an incomplete or damaged output. Re-running uploads only what the remote lacks.
+    Refuses an incomplete or damaged output. Re-running uploads only what the remote lacks. The
+    branch ends up holding exactly this output and its card: files of an earlier conversion are
+    deleted in the same single commit (dot-files such as .gitattributes are kept).
     """
     from .publish import publish as do_publish
 
     res = do_publish(output, repo_id, private=private, branch=branch, token=token, commit_message=message,
                      card=not no_card, echo=lambda m: click.echo(m, err=True))
-    if res.uploaded:
+    if res.uploaded or res.deleted:
+        removed = f"removed {len(res.deleted)} file(s) not in this output; " if res.deleted else ""
         click.echo(f"published {len(res.uploaded)} file(s) ({res.uploaded_bytes / 1e9:.2f} GB) to "
-                   f"{res.url} @ {res.branch} ({(res.commit or '')[:12]}); {len(res.skipped)} already there")
+                   f"{res.url} @ {res.branch} ({(res.commit or '')[:12]}); {removed}{len(res.skipped)} already there")
     else:
         click.echo(f"nothing to upload: {res.url} @ {res.branch} already has all {len(res.skipped)} file(s)")

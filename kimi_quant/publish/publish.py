@@ -2,11 +2,15 @@
 
 * Refuses an output that is incomplete or fails verification (``kimi_quant.verify.verify_output``).
 * Uploads only what the remote branch lacks: each local file is compared with the remote one
-  (LFS sha256 for weights, git blob sha1 for small files, from paths-info), so a re-run after an
-  interruption or a completed publish uploads nothing already there.
-* Weight shards go first, in commits of bounded size; the small files that make the repo loadable
-  (index, description, config, model card) go in the last commit, so the branch only looks complete
-  when it is.
+  (LFS sha256 for weights, git blob sha1 for small files, from the branch's file list), so a re-run
+  after an interruption or a completed publish uploads nothing already there. LFS objects an
+  interrupted run already sent are not sent again either (the LFS batch API says they are there).
+* The branch ends up holding exactly the upload set: remote files that are not in it (an earlier
+  conversion's shards, its validation report, ...) are deleted. Dot-files such as ``.gitattributes``
+  are kept: an output never holds them, and the hub's own ``.gitattributes`` decides what is LFS.
+* The switch is one commit: weight shards are uploaded to LFS first (invisible until committed),
+  then a single commit adds them with the small files and deletes the stale ones, guarded by the
+  parent commit. An interruption at any point leaves the branch as it was, never a mix.
 * Generates the model card (README.md) into the upload set; the output directory is not modified.
   A README.md already in the output (the source model's card, copied by convert) is uploaded as
   ``SOURCE_README.md`` and linked from the card.
@@ -35,8 +39,8 @@ log = logging.getLogger(__name__)
 SOURCE_README = "SOURCE_README.md"
 NOT_UPLOADED = (JOURNAL,)
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model", ".gguf", ".tiktoken")
-COMMIT_MAX_FILES = 50
-COMMIT_MAX_BYTES = 50 * 1024 ** 3
+UPLOAD_CHUNK_FILES = 50  # LFS uploads go in chunks of at most this many files / bytes, one progress line each
+UPLOAD_CHUNK_BYTES = 50 * 1024 ** 3
 
 
 class PublishError(KimiQuantError):
@@ -50,6 +54,7 @@ class PublishResult:
     commit: str | None
     uploaded: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)  # remote files that were not part of this output
     uploaded_bytes: int = 0
     url: str = ""
 
@@ -220,11 +225,6 @@ def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card
     return items
 
 
-def _is_final(item: _Item) -> bool:
-    """Files that make the repo look loadable go in the last commit."""
-    return not item.path_in_repo.endswith(".safetensors")
-
-
 # -- the upload -----------------------------------------------------------------------------------------
 def publish(output_dir, repo_id: str, private: bool = False, branch: str | None = None, token: str | None = None,
             endpoint: str | None = None, commit_message: str | None = None, card: bool = True, retries: int = 5,
@@ -247,32 +247,26 @@ def publish(output_dir, repo_id: str, private: bool = False, branch: str | None 
     msg = commit_message or f"Upload {output_dir.name} (kimi-quant ascendV1)"
 
     _retrying(lambda: _ensure_repo(api, repo_id, private, branch), retries, backoff, repo_id, "create repo")
-    done: set[str] = set()
     failures = 0
     while True:
-        todo = _retrying(lambda: _missing(api, repo_id, branch, items), retries, backoff, repo_id, "compare")
-        if not todo:
+        plan = _retrying(lambda: _plan(api, repo_id, branch, items), retries, backoff, repo_id, "compare")
+        if not plan.todo and not plan.stale:
             break
-        batch = _next_batch(todo)
-        names = [i.path_in_repo for i in batch]
-        say(f"uploading {len(batch)} file(s), {_fmt_bytes(sum(i.size for i in batch))}: "
-            f"{names[0]}{' ...' if len(names) > 1 else ''}")
-        part = msg if len(batch) == len(todo) else f"{msg} ({names[0]}{' ...' if len(names) > 1 else ''})"
         try:
-            info = _attempt(lambda: _commit(api, repo_id, branch, batch, part), repo_id, "upload")
-        except _Transient as t:  # part of the batch may have landed: compare again, then retry what is missing
+            info = _upload(api, repo_id, branch, plan, msg, say)
+        except _Transient as t:  # nothing is visible before the commit: compare again, then retry what is missing
             failures += 1
             if failures >= retries:
                 raise PublishError(f"{repo_id}: upload failed after {retries} tries: {t}") from None
             _wait(failures - 1, backoff, t.delay, "upload", str(t))
             continue
-        result.commit = info.oid if info is not None else result.commit
-        for i in batch:
-            if i.path_in_repo not in done:
-                done.add(i.path_in_repo)
-                result.uploaded.append(i.path_in_repo)
-                result.uploaded_bytes += i.size
-    result.skipped = [i.path_in_repo for i in items if i.path_in_repo not in done]
+        result.commit = info.oid if info is not None else None
+        result.uploaded = [i.path_in_repo for i in plan.todo]
+        result.uploaded_bytes = sum(i.size for i in plan.todo)
+        result.deleted = plan.stale
+        break
+    uploaded = set(result.uploaded)
+    result.skipped = [i.path_in_repo for i in items if i.path_in_repo not in uploaded]
     if result.commit is None:
         result.commit = _retrying(lambda: api.model_info(repo_id, revision=branch).sha, retries, backoff, repo_id,
                                   "model info")
@@ -285,53 +279,80 @@ def _ensure_repo(api, repo_id: str, private: bool, branch: str) -> None:
         api.create_branch(repo_id, branch=branch, exist_ok=True)
 
 
-def _missing(api, repo_id: str, branch: str, items: list[_Item]) -> list[_Item]:
-    """Items whose remote copy on ``branch`` is absent or differs."""
-    from huggingface_hub.hf_api import RepoFile
+@dataclass
+class _Plan:
+    parent: str  # the branch's commit the plan was made from
+    todo: list[_Item]  # absent or different on the branch
+    stale: list[str]  # on the branch but not in the upload set
 
-    remote: dict[str, RepoFile] = {}
-    paths = [i.path_in_repo for i in items]
-    for k in range(0, len(paths), 500):
-        for p in api.get_paths_info(repo_id, paths[k:k + 500], revision=branch):
-            if isinstance(p, RepoFile):
-                remote[p.path] = p
-    out = []
+
+def _kept(path: str) -> bool:
+    """Remote files publish never deletes: dot-files (.gitattributes), which an output cannot hold."""
+    return any(part.startswith(".") for part in path.split("/"))
+
+
+def _plan(api, repo_id: str, branch: str, items: list[_Item]) -> _Plan:
+    # one listing gives the files and the commit they belong to, so the commit can be guarded by it
+    info = api.model_info(repo_id, revision=branch, files_metadata=True)
+    remote = {s.rfilename: s for s in info.siblings or []}
+    todo = []
     for i in items:
         r = remote.get(i.path_in_repo)
         if r is None or r.size != i.size:
-            out.append(i)
+            todo.append(i)
         elif i.lfs:
             if r.lfs is None or r.lfs.sha256 != i.digest():
-                out.append(i)
+                todo.append(i)
         elif r.lfs is not None or r.blob_id != i.digest():
-            out.append(i)
-    return out
+            todo.append(i)
+    ours = {i.path_in_repo for i in items}
+    return _Plan(info.sha, todo, sorted(p for p in remote if p not in ours and not _kept(p)))
 
 
-def _next_batch(todo: list[_Item]) -> list[_Item]:
-    weights = [i for i in todo if not _is_final(i)]
-    if not weights:
-        return todo  # the small files, together, last
-    batch, size = [], 0
-    for i in weights:
-        if batch and (len(batch) >= COMMIT_MAX_FILES or size + i.size > COMMIT_MAX_BYTES):
-            break
-        batch.append(i)
+def _chunks(items: list[_Item]):
+    chunk, size = [], 0
+    for i in items:
+        if chunk and (len(chunk) >= UPLOAD_CHUNK_FILES or size + i.size > UPLOAD_CHUNK_BYTES):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(i)
         size += i.size
-    return batch
+    if chunk:
+        yield chunk
 
 
-def _commit(api, repo_id: str, branch: str, batch: list[_Item], message: str):
+def _names(names: list[str]) -> str:
+    return f"{names[0]}{' ...' if len(names) > 1 else ''}"
+
+
+def _add(item: _Item):
     from huggingface_hub import CommitOperationAdd
 
-    ops = []
-    for i in batch:
-        op = CommitOperationAdd(path_in_repo=i.path_in_repo,
-                                path_or_fileobj=str(i.local) if i.local is not None else i.data)
-        if i.lfs and i.sha256 is not None:
-            op.upload_info.sha256 = bytes.fromhex(i.sha256)  # already verified: spare the client a re-hash
-        ops.append(op)
-    return api.create_commit(repo_id, ops, commit_message=message, revision=branch)
+    op = CommitOperationAdd(path_in_repo=item.path_in_repo,
+                            path_or_fileobj=str(item.local) if item.local is not None else item.data)
+    if item.lfs and item.sha256 is not None:
+        op.upload_info.sha256 = bytes.fromhex(item.sha256)  # already verified: spare the client a re-hash
+    return op
+
+
+def _upload(api, repo_id: str, branch: str, plan: _Plan, message: str, say):
+    """LFS uploads first (not visible on the branch), then ONE commit: all additions and the deletions."""
+    from huggingface_hub import CommitOperationDelete
+
+    adds = []
+    for chunk in _chunks([i for i in plan.todo if i.lfs]):
+        say(f"uploading {len(chunk)} file(s), {_fmt_bytes(sum(i.size for i in chunk))}: "
+            f"{_names([i.path_in_repo for i in chunk])}")
+        ops = [_add(i) for i in chunk]
+        _attempt(lambda: api.preupload_lfs_files(repo_id, ops, revision=branch), repo_id, "upload")
+        adds += ops
+    adds += [_add(i) for i in plan.todo if not i.lfs]
+    deletes = [CommitOperationDelete(path_in_repo=p, is_folder=False) for p in plan.stale]
+    say(f"committing {len(adds)} file(s)" +
+        (f", removing {len(deletes)} not in this output: {_names(plan.stale)}" if deletes else ""))
+    # parent_commit: if the branch moved since the plan, the hub refuses (412) and we re-plan
+    return _attempt(lambda: api.create_commit(repo_id, adds + deletes, commit_message=message, revision=branch,
+                                              parent_commit=plan.parent), repo_id, "commit")
 
 
 class _Transient(Exception):

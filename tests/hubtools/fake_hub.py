@@ -9,7 +9,7 @@ that huggingface_hub 2.x uses with ``HF_HUB_DISABLE_XET=1``:
     POST /{repo}.git/info/lfs/objects/batch         LFS batch: upload + verify actions, none if present
     PUT  /_lfs/{repo}/{oid}                         object upload (sha256 and size checked)
     POST /_lfs_verify/{repo}                        verify
-    POST /api/models/{repo}/commit/{rev}            NDJSON commit (file / lfsFile / deletedFile)
+    POST /api/models/{repo}/commit/{rev}            NDJSON commit (file / lfsFile / deletedFile / deletedFolder)
     POST /api/models/{repo}/branch/{branch}         create a branch
     POST /api/models/{repo}/paths-info/{rev}        per-path size, blob id, lfs
     GET|HEAD /{repo}/resolve/{rev}/{path}           file bytes, honouring Range
@@ -401,6 +401,12 @@ class _Handler(BaseHTTPRequestHandler):
                 elif item["key"] == "deletedFile":
                     if files.pop(v["path"], None) is None:
                         return self._error(404, "A file with this name doesn't exist", "EntryNotFound")
+                elif item["key"] == "deletedFolder":  # every file under the path
+                    under = [p for p in files if p.startswith(v["path"].rstrip("/") + "/")]
+                    if not under:
+                        return self._error(404, "A folder with this name doesn't exist", "EntryNotFound")
+                    for p in under:
+                        del files[p]
                 else:
                     return self._error(400, f"unsupported commit operation {item['key']}")
             branch = unquote(rev) if unquote(rev) in hub.refs(repo) else "main"
