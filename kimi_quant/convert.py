@@ -111,18 +111,19 @@ def _clear_output(out_dir: Path) -> None:
 def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
-    # Local workers start now and load the kernels while the driver plans; Ray starts once the plan is sound.
-    executor = make_executor("local", opts.workers, None) if opts.executor == "local" else None
-    source = None
+    executor = source = None
     ok = False
     try:
+        if opts.executor == "local":  # workers start now and load the kernels while the driver plans
+            executor = make_executor("local", opts.workers, None)
+            executor.start()  # held before it starts: a Ctrl-C meanwhile still reaches shutdown below
         source = open_source(source_spec, revision=opts.revision, **opts.source_options)
         out_dir = Path(opts.output).resolve()
         _refuse_overlap(getattr(source, "root", None), out_dir, "the source directory")
         _refuse_overlap(getattr(source, "work_dir", None), out_dir, "the hub staging directory (--work-dir)")
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
         journal = prepare_output(out_dir, plan, opts.overwrite)
-        executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)
+        executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
         ok = True
         return result

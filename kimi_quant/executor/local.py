@@ -41,20 +41,40 @@ def _worker_birth():
 
     * SIGINT blocked (the mask survives fork and exec, and nothing there unblocks it): Ctrl-C reaches
       the driver alone, which aborts the workers, and no worker prints a KeyboardInterrupt traceback.
-      Blocked rather than ignored in the driver, so a Ctrl-C that lands meanwhile is delivered
-      afterwards instead of being lost;
+      Blocked in this thread, not ignored: a Ctrl-C meanwhile still reaches the driver (through
+      another thread, or when the mask is restored) instead of being lost;
     * single-threaded BLAS / OpenMP (``_ONE_THREAD``, unless the user set them)."""
     saved_env = {k: os.environ.get(k) for k in _ONE_THREAD}
     for k, v in _ONE_THREAD.items():
         os.environ.setdefault(k, v)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
+
+
+def _started_thread(t: threading.Thread | None) -> bool:
+    return t is not None and t.ident is not None  # a Ctrl-C may land between Thread() and start()
+
+
+@contextlib.contextmanager
+def _no_interrupts(active: bool):
+    """SIGINT ignored inside (main thread only; elsewhere Python runs no handler anyway)."""
+    previous = None
+    if active:
+        try:
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:
+            pass
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _init_worker(q, driver: int) -> None:
@@ -99,29 +119,35 @@ def _run_unit(unit: dict, paths: dict[str, str], out_dir: str) -> dict:
 
 
 class LocalExecutor:
+    """Call ``start()`` (the caller holds the object first, so a Ctrl-C during the start still
+    reaches ``shutdown``, which copes with any part started)."""
+
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None):
         self.workers = max(1, int(workers or os.cpu_count() or 1))
         self.on_progress = on_progress or (lambda n: None)
         self.slots = self.workers
-        self._pool = None
-        if self.workers > 1:
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload([f"{__package__}.preload"])
-            self._queue = ctx.Queue()
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
-                                             initargs=(self._queue, os.getpid()))
-            self._stop = threading.Event()
-            self._drain = threading.Thread(target=self._drain_progress, daemon=True)
-            self._drain.start()
-            # Started now (it does not wait for the server), so the server imports and loads the kernels
-            # while the driver plans.  SIGINT is ignored only around this start (never while the driver
-            # waits), and workers are launched from a thread: a Ctrl-C, always delivered to the main
-            # thread, then never lands inside a launch, which would leave a half-started worker that
-            # prints a traceback after the driver has gone.
-            with _worker_birth():
-                forkserver.ensure_running()
-            self._launcher = threading.Thread(target=self._launch, name="kq-launch", daemon=True)
-            self._launcher.start()
+        self._pool = self._queue = self._drain = self._launcher = None
+        self._stop = threading.Event()
+
+    def start(self) -> "LocalExecutor":
+        if self.workers == 1 or self._pool is not None:
+            return self
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([f"{__package__}.preload"])
+        self._queue = ctx.Queue()
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
+                                         initargs=(self._queue, os.getpid()))
+        self._drain = threading.Thread(target=self._drain_progress, daemon=True)
+        self._drain.start()
+        # The server starts now (ensure_running does not wait for it) and loads the kernels while the
+        # driver plans.  Workers are launched from a thread: a Ctrl-C (handled in the main thread)
+        # then never lands inside a launch, and shutdown waits for launches to finish, so no worker
+        # is left half-started (it would print a traceback once the driver has gone).
+        with _worker_birth():
+            forkserver.ensure_running()
+        self._launcher = threading.Thread(target=self._launch, name="kq-launch", daemon=True)
+        self._launcher.start()
+        return self
 
     def _launch(self) -> None:
         try:
@@ -151,14 +177,22 @@ class LocalExecutor:
         return fut
 
     def shutdown(self, abort: bool = False) -> None:
-        if self._pool is None or self._stop.is_set():
+        if self._stop.is_set():
             return
-        if abort:
-            for p in list(getattr(self._pool, "_processes", {}).values()):
-                p.terminate()
-        self._pool.shutdown(wait=True, cancel_futures=True)
         self._stop.set()
-        self._drain.join(timeout=2)
+        if self._pool is None:
+            return
+        with _no_interrupts(abort):  # a second Ctrl-C must not cut the clean-up short
+            if _started_thread(self._launcher):
+                # every launch must be over first: a worker still being started would be missed, and
+                # it fails (with a traceback) once the driver has removed the queues it attaches to
+                self._launcher.join()
+            if abort:
+                for p in list(getattr(self._pool, "_processes", {}).values()):
+                    p.terminate()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if _started_thread(self._drain):
+            self._drain.join(timeout=2)
         while True:  # deliver progress still queued
             try:
                 self.on_progress(self._queue.get_nowait())
@@ -189,6 +223,7 @@ def _explained(inner: Future, file: str) -> Future:
 
 
 def make_executor(kind: str, workers: int | None, on_progress, **options):
+    """An executor not yet started (``start()``: processes, threads, a Ray connection)."""
     if kind == "local":
         return LocalExecutor(workers, on_progress)
     if kind == "ray":
