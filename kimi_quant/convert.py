@@ -167,6 +167,10 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     made_from = {u.file: {f: entries[f].identity for f in u.needs} for u in plan.units}
     done = journal.verified_units(out_dir, made_from, quiet=opts.quiet)
     todo = [u for u in plan.units if u.file not in done]
+    if todo:  # shards will change: until the run ends the output must not look loadable (nor validated)
+        for name in (DESCRIPTION, INDEX, VALIDATION):
+            (out_dir / name).unlink(missing_ok=True)
+        journal.reopen()
     for f in entries.values():
         if f.sha256:  # the hub's LFS sha256 (verified on download, or recorded by huggingface_hub): not hashed here
             journal.record_input(f.name, f.sha256, f.stamp)

@@ -54,6 +54,9 @@ class Journal:
             elif kind == "complete":
                 self.complete = True
                 self.metadata = ev.get("files") if isinstance(ev.get("files"), dict) else {}
+            elif kind == "reopen":
+                self.complete = False
+                self.metadata = {}
 
     def _append(self, ev: dict) -> None:
         line = json.dumps(ev, sort_keys=True) + "\n"
@@ -99,6 +102,13 @@ class Journal:
         self.complete = True
         self.metadata = files
         self._append({"kind": "complete", "files": files})
+
+    def reopen(self) -> None:
+        """A complete output is about to have shards rewritten: it is not complete until the run ends."""
+        if self.complete:
+            self.complete = False
+            self.metadata = {}
+            self._append({"kind": "reopen"})
 
     def verified_units(self, out_dir: Path, expected: dict[str, dict[str, str]], quiet: bool = True) -> dict[str, dict]:
         """Journal entries still good: made from the same source shards (``expected``: output shard ->

@@ -280,3 +280,27 @@ def test_a_validation_report_stands_only_while_the_shards_do(tmp_path):
     shard.write_bytes(shard.read_bytes())  # same bytes, new mtime: its units are redone
     assert kq(*args).returncode == 0
     assert "validation" not in prov() and not (out / "kimi_quant_validation.json").exists()
+
+
+def test_a_failed_rerun_over_a_complete_output_leaves_it_unloadable(tiny_src, tmp_path):
+    """Shards about to be rewritten: the old index and description go first, so a run that fails part
+    way never leaves a loadable mix of old and new shards."""
+    from conftest import looks_loadable
+    from kimi_quant.errors import BadCheckpoint, KimiQuantError
+    from kimi_quant.source.safetensors import read_header
+    from kimi_quant.verify import verify_output
+
+    src = fresh_copy(tiny_src, tmp_path, "src")
+    out = tmp_path / "out"
+    convert(str(src), _opts(out))
+    assert looks_loadable(out)
+    shard = sorted(src.glob("model-*.safetensors"))[-1]
+    name, info = next((n, t) for n, t in read_header(shard)[0].items() if "experts" in n and t.dtype == "BF16")
+    data = bytearray(shard.read_bytes())
+    data[info.start:info.start + 2] = b"\xc0\x7f"  # a bf16 NaN: that unit fails
+    shard.write_bytes(bytes(data))
+    with pytest.raises(BadCheckpoint, match="NaN"):
+        convert(str(src), _opts(out))
+    assert not looks_loadable(out)
+    with pytest.raises(KimiQuantError, match="incomplete"):
+        verify_output(out)
