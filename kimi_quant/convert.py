@@ -134,6 +134,19 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
             source.close()
 
 
+def _check_window(max_disk: int | None, todo: list, entries: dict) -> None:
+    """--max-disk must hold every source shard of one output shard at once, or that bound cannot be kept."""
+    if max_disk is None or not todo:
+        return
+    size = {u.file: sum(entries[f].size for f in u.needs) for u in todo}
+    unit = max(todo, key=lambda u: size[u.file])
+    need = size[unit.file]
+    if need > max_disk:
+        raise KimiQuantError(f"--max-disk {max_disk} bytes is less than output shard {unit.file} needs at once "
+                             f"(its {len(unit.needs)} source shards: {need} bytes); raise --max-disk to at least "
+                             "that, or lower --max-shard-size")
+
+
 def _carry_validation(out_dir: Path, prov: dict, changed: bool) -> None:
     """A validation report (--validate) stands while no shard was rewritten: keep it in the new
     provenance; otherwise it describes other bytes, and goes."""
@@ -182,6 +195,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
 
     from tqdm import tqdm
 
+    _check_window(getattr(source, "max_disk", None), todo, entries)
     total = sum(u.in_bytes for u in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)

@@ -339,3 +339,18 @@ def test_output_overlapping_the_staging_dir_is_refused(ckpts, hub_env, tmp_path)
         how = "is" if out == work else "is inside"
         assert error_line(r.stderr) == (f"kimi-quant: error: --output {out.resolve()} {how} the hub staging directory "
                                         f"(--work-dir) {work.resolve()}: choose an output directory outside it")
+
+
+def test_a_window_smaller_than_one_unit_needs_is_refused_up_front(ckpts, hub_env, tmp_path):
+    """--max-disk is a promise: below what one output shard needs at once it cannot be kept."""
+    s = ckpts["synth"]  # scattered: every unit needs every shard
+    window = max(s.sizes.values()) + 1  # holds any one shard, not all of them
+    r = kq("convert", s.repo_id, "--target", TARGET, "--output", tmp_path / "out", "--work-dir", tmp_path / "w",
+           "--max-disk", window, "--max-shard-size", MAX_SHARD, env=hub_env)
+    assert r.returncode == 2
+    line = error_line(r.stderr)
+    m = re.fullmatch(rf"kimi-quant: error: --max-disk {window} bytes is less than output shard quant_model_weights-"
+                     r"\d+-of-\d+\.safetensors needs at once \(its (\d+) source shards: (\d+) bytes\); raise "
+                     r"--max-disk to at least that, or lower --max-shard-size", line)
+    assert m and int(m.group(1)) >= 2 and int(m.group(2)) > window, line
+    assert not list((tmp_path / "w").glob("*.safetensors"))  # refused before downloading anything
