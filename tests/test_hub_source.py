@@ -207,6 +207,7 @@ def test_resume_skips_verified_shards(olah, repo, tmp_path):
         src.fetch(n)
     first = src.downloaded_bytes
     assert first == sum(len(repo.files[n]) for n in SHARDS[:2])
+    src.close()  # the first run ends
     again = open_hub(olah, repo, tmp_path, keep_source=True)
     again.prefetch(SHARDS)
     try:
@@ -230,10 +231,12 @@ def test_a_marked_file_damaged_with_its_mtime_restored_is_downloaded_again(olah,
     bad[-1] ^= 1
     path.write_bytes(bytes(bad))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the marker's size and mtime still match
+    src.close()
     again = open_hub(olah, repo, tmp_path, keep_source=True)
     assert again.header(SHARDS[0])  # planning trusts the marker (the header bytes are not the damage)
     assert again.fetch(SHARDS[0]).read_bytes() == repo.files[SHARDS[0]]
     assert again.downloaded_bytes == len(repo.files[SHARDS[0]])
+    again.close()
     third = open_hub(olah, repo, tmp_path, keep_source=True)  # right bytes now: hashed, not downloaded
     assert third.fetch(SHARDS[0]).read_bytes() == repo.files[SHARDS[0]] and third.downloaded_bytes == 0
 
@@ -279,3 +282,19 @@ def test_close_stops_workers(olah, repo, tmp_path):
     src.close()
     assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("kq-hub-")
                    and t in src._threads)
+
+
+def test_two_runs_cannot_stage_into_one_work_dir(olah, repo, tmp_path):
+    first = open_hub(olah, repo, tmp_path)
+    second = open_hub(olah, repo, tmp_path)  # same work dir
+    try:
+        first.prefetch(SHARDS)
+        with pytest.raises(KimiQuantError, match=r"is staging shards for another kimi-quant run \(pid \d+\); wait for "
+                                                 r"it to end, or give this run its own --work-dir"):
+            second.fetch(SHARDS[0])
+    finally:
+        first.close()
+    try:  # released at the end of the first run
+        assert second.fetch(SHARDS[0]).read_bytes() == repo.files[SHARDS[0]]
+    finally:
+        second.close()

@@ -104,6 +104,7 @@ class HubSource(Source):
         self._files: dict[str, FileEntry] | None = None
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         self._hashed: set[str] = set()  # staged files hashed by this process (see _verified)
+        self._lock_fd: int | None = None  # the work dir's lock, once this run stages (see _claim_work_dir)
         # staging state, guarded by _cv
         self._cv = threading.Condition()
         self._plan: list[str] = []
@@ -549,7 +550,30 @@ class HubSource(Source):
                 return False
             return True
 
+    def _claim_work_dir(self) -> None:
+        """One run stages into a work dir at a time: two would share partial downloads and delete
+        shards the other still needs (the default work dir is per repo, so an a3 and a 950dt run of
+        the same repo side by side would collide).  An advisory lock, released when the run ends."""
+        if self._lock_fd is not None:
+            return
+        import fcntl
+
+        lock = self.work_dir / META_DIR / "lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise HubError(f"{self.work_dir} is staging shards for another kimi-quant run (pid {holder}); wait for "
+                           "it to end, or give this run its own --work-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
     def prefetch(self, names: list[str]) -> None:
+        self._claim_work_dir()
         for n in names:
             ent = self.entry(n)
             if self.max_disk is not None and ent.size > self.max_disk:
@@ -609,6 +633,7 @@ class HubSource(Source):
             self._cv.notify_all()
 
     def fetch(self, name: str) -> Path:
+        self._claim_work_dir()
         self.entry(name)
         with self._cv:
             st = self._state.get(name)
@@ -652,6 +677,9 @@ class HubSource(Source):
         for t in self._threads:
             t.join(timeout=30)
         self._threads = []
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
 
 
 def retry_after(response) -> float | None:
