@@ -354,3 +354,21 @@ def test_a_window_smaller_than_one_unit_needs_is_refused_up_front(ckpts, hub_env
                      r"--max-disk to at least that, or lower --max-shard-size", line)
     assert m and int(m.group(1)) >= 2 and int(m.group(2)) > window, line
     assert not list((tmp_path / "w").glob("*.safetensors"))  # refused before downloading anything
+
+
+def test_a_moved_branch_is_refused_with_the_way_to_finish(olah, ckpts, hub_env, tmp_path):
+    """main moves between two runs: the output is not mixed, and the line says how to finish it."""
+    s = ckpts["synth"]
+    repo = olah.new_repo("moving")
+    files = {p.relative_to(s.local).as_posix(): p for p in sorted(s.local.rglob("*")) if p.is_file()}
+    first = repo.commit(files, message="checkpoint")
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = ("convert", repo.repo_id, "--target", TARGET, "--output", out, "--work-dir", work,
+            "--max-shard-size", MAX_SHARD, "--workers", 1, "-q")
+    assert kq(*args, env=hub_env).returncode == 0
+    repo.commit({"NOTES.md": b"main moves on\n"}, message="later")
+    r = kq(*args, env=hub_env)
+    assert r.returncode == 2
+    line = error_line(r.stderr)
+    assert f"to finish it, pass --revision {first}; use --overwrite to replace it" in line, line
+    assert kq(*args, "--revision", first, env=hub_env).returncode == 0
