@@ -147,18 +147,14 @@ def _check_window(max_disk: int | None, todo: list, entries: dict) -> None:
                              "that, or lower --max-shard-size")
 
 
-def _carry_validation(out_dir: Path, prov: dict, changed: bool) -> None:
-    """A validation report (--validate) stands while no shard was rewritten: keep it in the new
-    provenance; otherwise it describes other bytes, and goes."""
-    report = out_dir / VALIDATION
-    if changed:
-        report.unlink(missing_ok=True)
-        return
+def _carry_validation(out_dir: Path, prov: dict) -> None:
+    """A validation report (--validate) stands while no shard was rewritten (``_run`` deletes it
+    before rewriting any): keep its summary in the new provenance."""
     try:
         old = json.loads((out_dir / PROVENANCE).read_text())
     except (OSError, ValueError):
         return
-    if report.exists() and isinstance(old, dict) and "validation" in old:
+    if (out_dir / VALIDATION).exists() and isinstance(old, dict) and "validation" in old:
         prov["validation"] = old["validation"]
 
 
@@ -248,7 +244,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
               for f in sorted(plan.inputs)}
     units = {u.file: {k: journal.units[u.file][k] for k in ("size", "sha256")} for u in plan.units}
     prov = provenance(plan, inputs, dict(sorted(units.items())))
-    _carry_validation(out_dir, prov, changed=bool(todo))
+    _carry_validation(out_dir, prov)
     write_metadata_files(out_dir, plan, source, prov)
     journal.mark_complete([INDEX, DESCRIPTION, "config.json", *files_to_copy(source)])
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
