@@ -84,6 +84,18 @@ def clean(mid_source, tmp_path_factory):
     return {"out": out, "snap": snapshot(out), "secs": secs, "units": written}
 
 
+def running_after(src, out, units: int) -> subprocess.Popen:
+    """A conversion started and left running once ``units`` units are journaled (skips the test if
+    it finished first)."""
+    p = popen(convert_args(src, out))
+    while p.poll() is None and unit_lines(out) < units:
+        time.sleep(0.005)
+    if p.poll() is not None:
+        p.communicate()
+        pytest.skip("finished before it could be stopped")
+    return p
+
+
 def interrupt(src, out, *, delay=None, after_units=None, extra=()) -> int:
     """Start a conversion and SIGKILL it after ``delay`` s or once ``after_units`` units are journaled.
 
@@ -311,11 +323,7 @@ def _alive(pid: int) -> bool:
 def test_driver_killed_alone(mid_source, clean, tmp_path):
     """Only the driver dies (OOM killer): its worker processes must not corrupt the resumed run."""
     out = tmp_path / "out"
-    p = popen(convert_args(mid_source, out))
-    while p.poll() is None and unit_lines(out) < 3:
-        time.sleep(0.005)
-    if p.poll() is not None:
-        pytest.skip("finished before the kill")
+    p = running_after(mid_source, out, 3)
     kids = _children(p.pid)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()  # not communicate(): the orphaned workers still hold the output pipes open
@@ -391,11 +399,7 @@ def test_ctrl_c_during_start_up_is_one_line(mid_source, tmp_path, delay):
 
 def test_ctrl_c_is_one_line_and_resumes(mid_source, clean, tmp_path):
     out = tmp_path / "out"
-    p = popen(convert_args(mid_source, out))
-    while p.poll() is None and unit_lines(out) < 3:
-        time.sleep(0.005)
-    if p.poll() is not None:
-        pytest.skip("finished before the interrupt")
+    p = running_after(mid_source, out, 3)
     os.killpg(p.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
