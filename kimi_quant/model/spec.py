@@ -20,6 +20,15 @@ from ..errors import KimiQuantError
 SUPPORTED_FAMILIES = ("kimi_k3 (Kimi K3 / K3.1, with or without the DSA indexer)", "kimi_linear (text only)")
 
 
+def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
+    """The value of the first of ``keys`` present (and not null) in ``d``: configs of the family spell
+    some settings two ways (Kimi ``num_expert_group`` / DeepSeek ``n_group``)."""
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
 @dataclass(frozen=True)
 class TextConfig:
     """The text settings of a K3-family config, with the names config.json uses."""
@@ -29,7 +38,7 @@ class TextConfig:
     num_hidden_layers: int
     intermediate_size: int
     num_attention_heads: int
-    q_lora_rank: int
+    q_lora_rank: int | None  # None: MLA queries come from one q_proj (Kimi Linear)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -54,8 +63,16 @@ class TextConfig:
     moe_renormalize: bool = True
     situ_beta: float = 4.0
     situ_linear_beta: float = 25.0
-    gate_lower_bound: float = -5.0
+    gate_lower_bound: float | None = -5.0  # None: softplus decay gate (Kimi Linear); else lb * sigmoid (K3)
     latent_moe_use_norm: bool = True
+    use_full_rank_gate: bool = True  # KDA output gate: g_proj [P,H], or low-rank g_a_proj [d,H] + g_b_proj [P,d]
+    mla_use_output_gate: bool = True
+    # router (DeepSeek-V3 "noaux_tc"): sigmoid scores, + e_score_correction_bias for the choice only,
+    # experts in num_expert_group groups of which topk_group are kept (group score = sum of its top-2)
+    num_expert_group: int = 1
+    topk_group: int = 1
+    router_scoring: str = "sigmoid"
+    topk_method: str = "noaux_tc"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -68,7 +85,7 @@ class TextConfig:
                 num_hidden_layers=int(d["num_hidden_layers"]),
                 intermediate_size=int(d["intermediate_size"]),
                 num_attention_heads=int(d["num_attention_heads"]),
-                q_lora_rank=int(d["q_lora_rank"]),
+                q_lora_rank=None if d["q_lora_rank"] is None else int(d["q_lora_rank"]),
                 kv_lora_rank=int(d["kv_lora_rank"]),
                 qk_nope_head_dim=int(d["qk_nope_head_dim"]),
                 qk_rope_head_dim=int(d["qk_rope_head_dim"]),
@@ -90,11 +107,17 @@ class TextConfig:
                 index_head_dim=d.get("index_head_dim"),
                 index_topk=d.get("index_topk"),
                 routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
-                moe_renormalize=bool(d.get("moe_renormalize", True)),
+                moe_renormalize=bool(_first(d, "moe_renormalize", "norm_topk_prob", default=True)),
                 situ_beta=float(d.get("activation_situ_beta", 4.0)),
                 situ_linear_beta=float(d.get("activation_situ_linear_beta", 25.0)),
-                gate_lower_bound=float(lac.get("gate_lower_bound", -5.0)),
+                gate_lower_bound=None if lac.get("gate_lower_bound") is None else float(lac["gate_lower_bound"]),
                 latent_moe_use_norm=bool(d.get("latent_moe_use_norm", True)),
+                use_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+                mla_use_output_gate=bool(d.get("mla_use_output_gate", False)),
+                num_expert_group=int(_first(d, "num_expert_group", "n_group", default=1)),
+                topk_group=int(_first(d, "topk_group", default=1)),
+                router_scoring=str(_first(d, "moe_router_activation_func", "scoring_func", default="sigmoid")),
+                topk_method=str(_first(d, "topk_method", default="noaux_tc")),
                 raw=d,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # AttributeError: a list where an object belongs
@@ -203,11 +226,14 @@ class ModelSpec:
 
     def expected_tensors(self, with_vision: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every tensor a checkpoint of this config holds: name -> (shape, safetensors dtype)."""
-        return expected_tensors(self.text, self.prefix, with_vision=with_vision and self.family == "kimi_k3")
+        return expected_tensors(self.text, self.prefix, with_vision=with_vision and self.family == "kimi_k3",
+                                family=self.family)
 
 
-def expected_tensors(t: TextConfig, prefix: str = "language_model.",
-                     with_vision: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
+def expected_tensors(t: TextConfig, prefix: str = "language_model.", with_vision: bool = True,
+                     family: str = "kimi_k3") -> dict[str, tuple[tuple[int, ...], str]]:
+    """Names, shapes and dtypes of a checkpoint of config ``t``. Kimi Linear (``family="kimi_linear"``)
+    stores ``A_log`` as [1, 1, h, 1] (FLA's layout) where K3 pads it to a multiple of 128 heads."""
     H, V = t.hidden_size, t.vocab_size
     out: dict[str, tuple[tuple[int, ...], str]] = {}
 
@@ -217,10 +243,13 @@ def expected_tensors(t: TextConfig, prefix: str = "language_model.",
     add("model.embed_tokens.weight", (V, H))
     for i in range(t.num_hidden_layers):
         L = f"model.layers.{i}."
-        for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
+        for n in ("input_layernorm", "post_attention_layernorm"):
             add(L + n + ".weight", (H,))
-        add(L + "self_attention_res_proj.weight", (1, H))
-        add(L + "mlp_res_proj.weight", (1, H))
+        if t.attn_res_block_size:
+            add(L + "self_attention_res_norm.weight", (H,))
+            add(L + "mlp_res_norm.weight", (H,))
+            add(L + "self_attention_res_proj.weight", (1, H))
+            add(L + "mlp_res_proj.weight", (1, H))
         if t.is_kda(i):
             h, d, K = t.kda_num_heads, t.kda_head_dim, t.short_conv_kernel_size
             P = h * d
@@ -230,22 +259,30 @@ def expected_tensors(t: TextConfig, prefix: str = "language_model.",
                 add(L + f"self_attn.{x}_conv1d.weight", (P, 1, K), "F32")
             add(L + "self_attn.f_a_proj.weight", (d, H))
             add(L + "self_attn.f_b_proj.weight", (P, d))
-            add(L + "self_attn.A_log", (-(-h // 128) * 128,), "F32")
+            add(L + "self_attn.A_log", (1, 1, h, 1) if family == "kimi_linear" else (-(-h // 128) * 128,), "F32")
             add(L + "self_attn.dt_bias", (P,), "F32")
             add(L + "self_attn.b_proj.weight", (h, H))
-            add(L + "self_attn.g_proj.weight", (P, H))
+            if t.use_full_rank_gate:
+                add(L + "self_attn.g_proj.weight", (P, H))
+            else:
+                add(L + "self_attn.g_a_proj.weight", (d, H))
+                add(L + "self_attn.g_b_proj.weight", (P, d))
             add(L + "self_attn.o_norm.weight", (d,), "F32")
             add(L + "self_attn.o_proj.weight", (H, P))
         else:
             nh, dn, dr, dv = t.num_attention_heads, t.qk_nope_head_dim, t.qk_rope_head_dim, t.v_head_dim
             ql, kl = t.q_lora_rank, t.kv_lora_rank
-            add(L + "self_attn.q_a_proj.weight", (ql, H))
-            add(L + "self_attn.q_a_layernorm.weight", (ql,))
-            add(L + "self_attn.q_b_proj.weight", (nh * (dn + dr), ql))
+            if ql is None:
+                add(L + "self_attn.q_proj.weight", (nh * (dn + dr), H))
+            else:
+                add(L + "self_attn.q_a_proj.weight", (ql, H))
+                add(L + "self_attn.q_a_layernorm.weight", (ql,))
+                add(L + "self_attn.q_b_proj.weight", (nh * (dn + dr), ql))
             add(L + "self_attn.kv_a_proj_with_mqa.weight", (kl + dr, H))
             add(L + "self_attn.kv_a_layernorm.weight", (kl,))
             add(L + "self_attn.kv_b_proj.weight", (nh * (dn + dv), kl))
-            add(L + "self_attn.g_proj.weight", (nh * dv, H))
+            if t.mla_use_output_gate:
+                add(L + "self_attn.g_proj.weight", (nh * dv, H))
             add(L + "self_attn.o_proj.weight", (H, nh * dv))
             if t.has_indexer:
                 ih, idd = int(t.index_n_heads), int(t.index_head_dim)
@@ -277,8 +314,9 @@ def expected_tensors(t: TextConfig, prefix: str = "language_model.",
                 add(M + "shared_experts.up_proj.weight", (I * S, H))
                 add(M + "shared_experts.down_proj.weight", (H, I * S))
     add("model.norm.weight", (H,))
-    add("model.output_attn_res_norm.weight", (H,))
-    add("model.output_attn_res_proj.weight", (1, H))
+    if t.attn_res_block_size:
+        add("model.output_attn_res_norm.weight", (H,))
+        add("model.output_attn_res_proj.weight", (1, H))
     add("lm_head.weight", (V, H))
     if with_vision:
         # A few vision tensors so that "never quantized" is exercised; the real tower is larger.

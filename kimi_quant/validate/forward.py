@@ -24,9 +24,57 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..errors import KimiQuantError
 from ..model.spec import TextConfig
 
 Weights = dict[str, torch.Tensor]
+
+
+# ------------------------------------------------------------------------------------------------
+# what this forward can run
+# ------------------------------------------------------------------------------------------------
+def unsupported(cfg: TextConfig) -> list[str]:
+    """Config settings this forward cannot honour (empty when it can run the model as configured)."""
+    raw = cfg.raw
+    out = []
+    if cfg.router_scoring != "sigmoid":
+        out.append(f"router scoring {cfg.router_scoring!r} (only 'sigmoid')")
+    if cfg.topk_method != "noaux_tc":
+        out.append(f"topk_method {cfg.topk_method!r} (only 'noaux_tc')")
+    E, G, k = cfg.num_experts, cfg.num_expert_group, cfg.num_experts_per_token
+    if G < 1 or E % G:
+        out.append(f"num_expert_group {G} (must divide num_experts {E})")
+    elif not 1 <= cfg.topk_group <= G:
+        out.append(f"topk_group {cfg.topk_group} (must be 1..num_expert_group {G})")
+    elif G > 1 and cfg.topk_group < G and (E // G < 2 or cfg.topk_group * (E // G) < k):
+        out.append(f"num_expert_group {G} / topk_group {cfg.topk_group} (groups need >= 2 experts and the kept "
+                   f"groups >= num_experts_per_token {k} experts)")
+    if G > 1 and raw.get("use_grouped_topk") is False:
+        out.append(f"use_grouped_topk false with num_expert_group {G} (consumers disagree on what that means)")
+    if not 1 <= k <= E:
+        out.append(f"num_experts_per_token {k} (must be 1..num_experts {E})")
+    act = raw.get("hidden_act", "situ")
+    if act not in ("situ", "silu"):
+        out.append(f"hidden_act {act!r} (only 'situ' and 'silu')")
+    if raw.get("mla_use_nope") is False:
+        out.append("mla_use_nope false (the MLA layers here apply no rotary embedding)")
+    if raw.get("indexer_rope_interleave"):
+        out.append("indexer_rope_interleave true (only half-split RoPE)")
+    if cfg.has_indexer and cfg.q_lora_rank is None:
+        out.append("a DSA indexer without q_lora_rank (the indexer reads the query latent)")
+    if raw.get("moe_layer_freq", 1) != 1:
+        out.append(f"moe_layer_freq {raw.get('moe_layer_freq')!r} (only 1: every layer after first_k_dense_replace is MoE)")
+    if raw.get("tie_word_embeddings"):
+        out.append("tie_word_embeddings true (a separate lm_head is expected)")
+    return out
+
+
+def check_supported(cfg: TextConfig) -> None:
+    """Refuse, in one line, a config whose settings :func:`unsupported` lists, instead of ignoring them."""
+    problems = unsupported(cfg)
+    if problems:
+        raise KimiQuantError("config.json: the reference forward cannot run this model as configured: "
+                             + "; ".join(problems))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -225,17 +273,34 @@ def kda_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, kda_im
     v = _causal_conv_silu(lin(x, "self_attn.v_proj.weight"), w["self_attn.v_conv1d.weight"]).view(B, T, h, d)
     q = l2norm(q) * d ** -0.5
     k = l2norm(k)
-    f = lin(lin(x, "self_attn.f_a_proj.weight"), "self_attn.f_b_proj.weight") + w["self_attn.dt_bias"]
-    A = torch.exp(w["self_attn.A_log"][:h]).view(h, 1)
-    g = -abs(cfg.gate_lower_bound) * torch.sigmoid(A * f.view(B, T, h, d))  # log decay in [lb, 0]
+    g = kda_decay(cfg, lin(lin(x, "self_attn.f_a_proj.weight"), "self_attn.f_b_proj.weight").view(B, T, h, d),
+                  w["self_attn.A_log"], w["self_attn.dt_bias"].view(h, d))
     beta = torch.sigmoid(lin(x, "self_attn.b_proj.weight"))
     if kda_impl == "recurrent":
         o, _ = kda_recurrent(q, k, v, g, beta)
     else:
         o, _ = kda_chunked(q, k, v, g, beta, chunk_size=chunk_size)
     o = rmsnorm(o, w["self_attn.o_norm.weight"], cfg.rms_norm_eps)
-    o = o * torch.sigmoid(lin(x, "self_attn.g_proj.weight")).view(B, T, h, d)
+    if cfg.use_full_rank_gate:
+        gate = lin(x, "self_attn.g_proj.weight")
+    else:  # low-rank output gate (Kimi Linear, K3 without use_full_rank_gate)
+        gate = lin(lin(x, "self_attn.g_a_proj.weight"), "self_attn.g_b_proj.weight")
+    o = o * torch.sigmoid(gate).view(B, T, h, d)
     return lin(o.reshape(B, T, h * d), "self_attn.o_proj.weight")
+
+
+def kda_decay(cfg: TextConfig, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Per-channel log decay g <= 0 from the forget-gate projection f [B, T, h, d] (FLA's kda gate).
+
+    With ``gate_lower_bound`` lb (K3): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in [lb, 0].
+    Without (Kimi Linear): g = -exp(A_log) * softplus(f + dt_bias). A_log holds one value per head,
+    stored [h] zero-padded (K3) or [1, 1, h, 1] (Kimi Linear); the first h are used."""
+    h = f.shape[-2]
+    A = torch.exp(A_log.reshape(-1)[:h]).view(h, 1)
+    z = f + dt_bias
+    if cfg.gate_lower_bound is None:
+        return -A * F.softplus(z)
+    return -abs(cfg.gate_lower_bound) * torch.sigmoid(A * z)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,8 +352,12 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
     B, T, _ = x.shape
     nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     eps = cfg.rms_norm_eps
-    qr = rmsnorm(lin(x, "self_attn.q_a_proj.weight"), w["self_attn.q_a_layernorm.weight"], eps)
-    q = lin(qr, "self_attn.q_b_proj.weight").view(B, T, nh, dn + dr)
+    if cfg.q_lora_rank is None:  # Kimi Linear: one q_proj, no query latent (and so no DSA indexer)
+        qr = None
+        q = lin(x, "self_attn.q_proj.weight").view(B, T, nh, dn + dr)
+    else:
+        qr = rmsnorm(lin(x, "self_attn.q_a_proj.weight"), w["self_attn.q_a_layernorm.weight"], eps)
+        q = lin(qr, "self_attn.q_b_proj.weight").view(B, T, nh, dn + dr)
     ckv = lin(x, "self_attn.kv_a_proj_with_mqa.weight")
     c, k_pe = ckv[..., :cfg.kv_lora_rank], ckv[..., cfg.kv_lora_rank:]
     c = rmsnorm(c, w["self_attn.kv_a_layernorm.weight"], eps)
@@ -296,7 +365,7 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
     k_nope, v = kv[..., :dn], kv[..., dn:]
     k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, T, nh, dr)], dim=-1)
     scores = torch.einsum("bshd,bthd->bhst", q, k) * (dn + dr) ** -0.5
-    if cfg.has_indexer and "self_attn.indexer.wq_b.weight" in w:
+    if cfg.has_indexer and qr is not None and "self_attn.indexer.wq_b.weight" in w:
         keep = topk_mask(indexer_scores(cfg, w, x, qr, act), int(cfg.index_topk)).unsqueeze(1)
     else:
         keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -325,9 +394,22 @@ def dense_mlp(cfg: TextConfig, w: Weights, x: torch.Tensor, prefix: str, act=Non
 
 
 def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Tensor):
-    """Sigmoid router: (indices [.., k], weights [.., k]); selection by score + correction bias."""
-    s = torch.sigmoid(x @ gate_w.t())
-    idx = (s + bias).topk(cfg.num_experts_per_token, dim=-1).indices
+    """Group-limited sigmoid router (DeepSeek-V3 ``noaux_tc``): (indices [.., k], weights [.., k]).
+
+    s = sigmoid(x W^T); the choice uses s + e_score_correction_bias. With ``num_expert_group`` G > 1
+    the experts form G equal groups, a group scores the sum of its two best biased scores, and only
+    the ``topk_group`` best groups compete for the top k. Weights are the unbiased s of the chosen
+    experts, renormalized if ``moe_renormalize``, times ``routed_scaling_factor``."""
+    s = torch.sigmoid(F.linear(x, gate_w))
+    choice = s + bias
+    G = cfg.num_expert_group
+    if G > 1 and cfg.topk_group < G:
+        grouped = choice.unflatten(-1, (G, cfg.num_experts // G))
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = group_score.topk(cfg.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter(-1, kept, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), -math.inf).flatten(-2)
+    idx = choice.topk(cfg.num_experts_per_token, dim=-1).indices
     wts = s.gather(-1, idx)
     if cfg.moe_renormalize:
         wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)

@@ -26,6 +26,7 @@ from ..dtypes import to_f32
 from ..errors import BadCheckpoint, KimiQuantError
 from ..model.spec import ModelSpec, load_model_spec
 from ..source.safetensors import SafetensorsReader
+from .forward import check_supported
 
 QUANT_DESCRIPTION = "quant_model_description.json"
 QUANT_INDEX = "quant_model_weights.safetensors.index.json"
@@ -94,6 +95,7 @@ class WeightLoader:
         if not self.root.is_dir():
             raise KimiQuantError(f"{self.root}: not a directory")
         self.spec = load_model_spec(self.root)
+        check_supported(self.spec.text)  # before any tensor is read: a setting the forward would ignore
         self._readers: dict[str, SafetensorsReader] = {}
         self._expected = self.spec.expected_tensors(with_vision=False)
 
@@ -157,7 +159,7 @@ class WeightLoader:
         """Non-layer tensors (relative to the text prefix); ``names`` picks a subset (EMBED_NAMES /
         HEAD_NAMES, so the embedding and the LM head need not be resident at the same time)."""
         p = self.spec.prefix
-        out = self._load([p + n for n in names], p)
+        out = self._load([p + n for n in names if p + n in self._expected], p)  # no attn-res tensors without attn_res_block_size
         self.release()
         return out
 
