@@ -9,6 +9,7 @@ heuristics get wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from typing import Any
 
 from ..errors import KimiQuantError
 
-SUPPORTED_FAMILIES = ("kimi_k3 (Kimi K3 / K3.1, with or without the DSA indexer)", "kimi_linear (text only)")
+SUPPORTED_FAMILIES = ("kimi_k3 (Kimi K3 / K3.1, with or without the DSA indexer)",
+                      "kimi_linear (Kimi Linear 48B-A3B layout: low-rank KDA output gate, softplus decay, MLA without q_lora)")
 
 
 def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
@@ -67,6 +69,7 @@ class TextConfig:
     latent_moe_use_norm: bool = True
     use_full_rank_gate: bool = True  # KDA output gate: g_proj [P,H], or low-rank g_a_proj [d,H] + g_b_proj [P,d]
     mla_use_output_gate: bool = True
+    mla_kv_norm_eps: float | None = None  # eps of q_a/kv_a_layernorm; None: rms_norm_eps (Kimi Linear: 1e-6)
     # router (DeepSeek-V3 "noaux_tc"): sigmoid scores, + e_score_correction_bias for the choice only,
     # experts in num_expert_group groups of which topk_group are kept (group score = sum of its top-2)
     num_expert_group: int = 1
@@ -177,7 +180,7 @@ _ROLE_TABLE: list[tuple[str, str, str | None, bool, str | None]] = [
     (_LAYER + r"self_attn\.indexer\..*", "dsa.indexer_norm", None, False, None),
     (_LAYER + r"self_attn\.[qkv]_proj\.weight", "kda.qkv_proj", None, True, None),
     (_LAYER + r"self_attn\.[qkv]_conv1d\.weight", "kda.conv1d", None, False, None),
-    (_LAYER + r"self_attn\.(f_a_proj|f_b_proj|b_proj)\.weight", "kda.gate_proj", None, True, None),
+    (_LAYER + r"self_attn\.(f_a_proj|f_b_proj|b_proj|g_a_proj|g_b_proj)\.weight", "kda.gate_proj", None, True, None),
     (_LAYER + r"self_attn\.(A_log|dt_bias)", "kda.param", None, False, None),
     (_LAYER + r"self_attn\.q_a_proj\.weight", "mla.q_a_proj", None, True, "L{L}.qkv_a"),
     (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight", "mla.kv_a_proj", None, True, "L{L}.qkv_a"),
@@ -194,7 +197,7 @@ _ROLE_TABLE: list[tuple[str, str, str | None, bool, str | None]] = [
 ]
 _COMPILED = [(re.compile(p), role, mm, lin, fg) for p, role, mm, lin, fg in _ROLE_TABLE]
 #: every role ``ModelSpec.role`` can return (what recipe role keys may name)
-KNOWN_ROLES: tuple[str, ...] = tuple(sorted({r for _, r, *_ in _ROLE_TABLE} | {"vision", "other"}))
+KNOWN_ROLES: tuple[str, ...] = tuple(sorted({r for _, r, *_ in _ROLE_TABLE} | {"mla.q_proj", "vision", "other"}))
 _VISION = re.compile(r"(vision_tower|mm_projector|multi_modal_projector)\.")
 
 
@@ -220,9 +223,14 @@ class ModelSpec:
                 gd = m.groupdict()
                 layer = int(gd["layer"]) if gd.get("layer") is not None else None
                 expert = int(gd["expert"]) if gd.get("expert") is not None else None
+                if role == "kda.qkv_proj" and self.text is not None and not self._is_kda_layer(layer):
+                    role, fuse = "mla.q_proj", None  # Kimi Linear's MLA without a query latent (q_lora_rank null)
                 return TensorRole(role, layer, expert, matmul, linear,
                                   fuse.format(L=layer) if fuse else None)
         return TensorRole("other")
+
+    def _is_kda_layer(self, layer: int | None) -> bool:
+        return layer is not None and self.text.is_kda(layer) and not self.text.is_full_attn(layer)
 
     def expected_tensors(self, with_vision: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every tensor a checkpoint of this config holds: name -> (shape, safetensors dtype)."""
@@ -338,7 +346,10 @@ def spec_from_config(config: dict[str, Any], source: str = "config.json") -> Mod
                                  f"got {config.get('text_config')!r}")
         return ModelSpec("kimi_k3", TextConfig.from_dict(config["text_config"]), "language_model.", config)
     if model_type == "kimi_linear":
-        return ModelSpec("kimi_linear", TextConfig.from_dict(config), "", config)
+        # Kimi Linear's MLA latent norms are built without an eps argument: RMSNorm's default 1e-6
+        # (moonshotai modeling_kimi.py, transformers kimi_linear), not rms_norm_eps
+        text = dataclasses.replace(TextConfig.from_dict(config), mla_kv_norm_eps=1e-6)
+        return ModelSpec("kimi_linear", text, "", config)
     raise KimiQuantError(
         f"{source}: model_type {model_type!r} is not a supported family; supported: "
         f"{'; '.join(SUPPORTED_FAMILIES)} (or pass --recipe to convert another model)")

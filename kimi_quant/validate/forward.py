@@ -351,7 +351,7 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
     lin = _Lin(w, act)
     B, T, _ = x.shape
     nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    eps = cfg.rms_norm_eps
+    eps = cfg.rms_norm_eps if cfg.mla_kv_norm_eps is None else cfg.mla_kv_norm_eps
     if cfg.q_lora_rank is None:  # Kimi Linear: one q_proj, no query latent (and so no DSA indexer)
         qr = None
         q = lin(x, "self_attn.q_proj.weight").view(B, T, nh, dn + dr)
