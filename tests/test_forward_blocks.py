@@ -297,3 +297,43 @@ def test_kda_chunked_is_differentiable():
     grads2 = torch.autograd.grad(o2.square().sum(), (q, k, v, g, beta))
     for a, b in zip(grads1, grads2):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_kda_low_rank_output_gate_and_softplus_decay():
+    """K3 without use_full_rank_gate names g_a_proj/g_b_proj; without gate_lower_bound the decay is
+    FLA's softplus form. Both against the formulas written out."""
+    import copy
+
+    cfg_d = copy.deepcopy(preset_config("tiny"))
+    lac = cfg_d["text_config"]["linear_attn_config"]
+    lac["use_full_rank_gate"] = False
+    del lac["gate_lower_bound"]
+    spec = spec_from_config(cfg_d)
+    c = spec.text
+    names = spec.expected_tensors(with_vision=False)
+    L = "language_model.model.layers.0.self_attn."
+    assert names[L + "g_a_proj.weight"][0] == (c.kda_head_dim, c.hidden_size)
+    assert names[L + "g_b_proj.weight"][0] == (c.kda_num_heads * c.kda_head_dim, c.kda_head_dim)
+    assert L + "g_proj.weight" not in names
+    assert spec.role(L + "g_b_proj.weight").role == "kda.gate_proj"
+    g = torch.Generator().manual_seed(5)
+    w = {n[len(L) - len("self_attn."):]: torch.randn(s, generator=g) * (s[-1] ** -0.5 if len(s) > 1 else 0.3)
+         for n, (s, _) in names.items() if n.startswith(L)}
+    h, d = c.kda_num_heads, c.kda_head_dim
+    x = torch.randn(1, 9, c.hidden_size, generator=g)
+    got = fw.kda_attention(c, w, x, kda_impl="recurrent")
+    # the same layer written out with the full-rank path fed the product g_b @ g_a
+    full = dict(w)
+    full["self_attn.g_proj.weight"] = w["self_attn.g_b_proj.weight"] @ w["self_attn.g_a_proj.weight"]
+    import dataclasses
+    want = fw.kda_attention(dataclasses.replace(c, use_full_rank_gate=True), full, x, kda_impl="recurrent")
+    assert torch.allclose(got, want, atol=1e-5)
+    f = (x @ w["self_attn.f_a_proj.weight"].T @ w["self_attn.f_b_proj.weight"].T).view(1, 9, h, d)
+    A = torch.exp(w["self_attn.A_log"][:h])
+    z = f + w["self_attn.dt_bias"].view(h, d)
+    softplus = torch.log1p(torch.exp(z))
+    assert torch.allclose(fw.kda_decay(c, f, w["self_attn.A_log"], w["self_attn.dt_bias"].view(h, d)),
+                          -A.view(h, 1) * softplus, atol=1e-6)
+    lb = dataclasses.replace(c, gate_lower_bound=-5.0)
+    assert torch.allclose(fw.kda_decay(lb, f, w["self_attn.A_log"], w["self_attn.dt_bias"].view(h, d)),
+                          -5.0 * torch.sigmoid(A.view(h, 1) * z), atol=1e-6)
