@@ -137,9 +137,12 @@ def test_spec_names_every_tensor_with_its_shape_and_role(checkpoint):
     assert a3.scheme_for("model.layers.2.self_attn.q_proj.weight", "mla.q_proj") == "W8A8_DYNAMIC"
 
 
-def _our_logits(root: Path, ids: torch.Tensor, **kw) -> torch.Tensor:
+def _our_logits(root: Path, ids: torch.Tensor, change: dict | None = None, **kw) -> torch.Tensor:
+    """Our logits through the validate loader; ``change`` alters the parsed config first."""
+    import dataclasses
+
     with SourceLoader(root) as ld:
-        cfg = ld.cfg
+        cfg = dataclasses.replace(ld.cfg, **(change or {}))
         gw, _ = ld.globals(EMBED_NAMES)
         st = fw.embed(gw, ids)
         for i in range(cfg.num_hidden_layers):
@@ -163,21 +166,11 @@ def test_forward_matches_transformers(checkpoint, hf_model, kda_impl):
 def test_forward_is_sensitive_to_what_kimi_linear_changes(checkpoint, hf_model):
     """The comparison above can tell the K3 variants apart: with K3's sigmoid decay gate, or routing
     that ignores the expert groups, the logits move far outside its tolerance."""
-    import dataclasses
-
     ids = torch.randint(3, CONFIG["vocab_size"], (1, 80), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf_model(input_ids=ids).logits
-        with SourceLoader(checkpoint) as ld:
-            base = ld.cfg
         for change in ({"gate_lower_bound": -5.0}, {"num_expert_group": 1, "topk_group": 1}):
-            cfg = dataclasses.replace(base, **change)
-            with SourceLoader(checkpoint) as ld:
-                gw, _ = ld.globals()
-                st = fw.embed(gw, ids)
-                for i in range(cfg.num_hidden_layers):
-                    st = fw.layer_forward(cfg, i, ld.layer(i)[0], st)
-                out = fw.head(cfg, gw, st)
+            out = _our_logits(checkpoint, ids, change)
             assert (out - ref).abs().max().item() > 1e-2 * ref.abs().max().item(), change
 
 
