@@ -193,3 +193,36 @@ def test_converts_and_validates(checkpoint, tmp_path, target):
     assert rep["layers"][0]["cosine"] > 0.99, rep["layers"][0]
     assert rep["logits"]["cosine"] > 0.75, rep["logits"]
     assert 0.8 < rep["ratio"] < 1.25, rep["ratio"]
+
+
+# The text settings of moonshotai/Kimi-Linear-48B-A3B-Instruct's config.json
+KIMI_LINEAR_48B = {
+    **CONFIG,
+    "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216, "moe_intermediate_size": 1024,
+    "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "num_experts": 256,
+    "num_experts_per_token": 8, "num_expert_group": 1, "topk_group": 1,
+    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+    "linear_attn_config": {"kda_layers": [i for i in range(1, 28) if i % 4 and i != 27],
+                           "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "num_heads": 32, "head_dim": 128,
+                           "short_conv_kernel_size": 4},
+}
+
+
+def test_kimi_linear_48b_inventory_plans_from_headers_only(tmp_path):
+    """The published model's full inventory (~48B parameters, header-only) plans on both targets."""
+    import math
+
+    from kimi_quant.convert import build_plan
+    from kimi_quant.model.spec import spec_from_config
+    from kimi_quant.model.synth import write_header_only
+    from kimi_quant.source.local import LocalSource
+
+    tensors = spec_from_config(KIMI_LINEAR_48B).expected_tensors()
+    params = sum(math.prod(s) for s, _ in tensors.values())
+    assert 48e9 < params < 50e9, params  # "48B-A3B"
+    write_header_only(KIMI_LINEAR_48B, tmp_path, shard_size=5 * 10**9)
+    for target, expert_scheme in (("a3", "W4A8_DYNAMIC"), ("950dt", "W4A8_MXFP")):
+        p = build_plan(LocalSource(tmp_path), target)
+        assert p.scheme_counts()[expert_scheme] >= 26 * 256 * 3  # the routed experts of the 26 MoE layers
+        assert 0.25 < p.out_bytes / p.in_bytes < 0.35, p.out_bytes / p.in_bytes

@@ -103,6 +103,18 @@ def _prepare_output(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def write_header_only(config: dict, out: Path, shard_size: int = 512 * 1024**2) -> Path:
+    """The tensor inventory of ``config`` (any supported family) as header-only shards, tensor bytes
+    left as holes, then index and config: what ``plan`` needs to size a real model without its data."""
+    tensors = spec_from_config(config).expected_tensors()
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = _write_sparse(out, tensors, _assign_shards(tensors, shard_size, scatter=0))
+    total = sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values())
+    write_json_atomic(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json_atomic(out / "config.json", config)
+    return out
+
+
 def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | None = None,
           shard_size: int = 512 * 1024**2, random_weights: bool = False, progress: bool = False,
           sparse: bool = False, overwrite: bool = False) -> Path:
@@ -117,13 +129,9 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
     config = preset_config(preset, num_experts=num_experts)  # refuses bad arguments before any file is touched
     out = Path(output)
     _prepare_output(out, overwrite)
-    tensors = spec_from_config(config).expected_tensors()
     if sparse or preset == "full":
-        weight_map = _write_sparse(out, tensors, _assign_shards(tensors, shard_size, scatter=0))
-        total = sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values())
-        write_json_atomic(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_json_atomic(out / "config.json", config)
-        return out
+        return write_header_only(config, out, shard_size)
+    tensors = spec_from_config(config).expected_tensors()
     fixture = None if (random_weights or num_experts) else fixture_dir(preset)
     reader = SafetensorsReader(fixture / "model.safetensors") if fixture else None
     shards = _assign_shards(tensors, shard_size, scatter=4 if preset == "tiny" else 0)
