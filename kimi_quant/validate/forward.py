@@ -371,7 +371,7 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
         keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     scores = scores.masked_fill(~keep, -math.inf)
     o = torch.einsum("bhst,bthd->bshd", torch.softmax(scores, dim=-1), v).reshape(B, T, nh * dv)
-    if "self_attn.g_proj.weight" in w:  # mla_use_output_gate
+    if cfg.mla_use_output_gate:
         o = o * torch.sigmoid(lin(x, "self_attn.g_proj.weight"))
     return lin(o, "self_attn.o_proj.weight")
 
