@@ -233,6 +233,11 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
     if do_validate and not Path(source).expanduser().is_dir():
         raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                              "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
+    if do_validate:  # a model validation cannot run is refused before the conversion, not after it
+        from .model.spec import load_model_spec
+        from .validate.forward import check_supported
+
+        check_supported(load_model_spec(Path(source).expanduser()).text)
     source_options = {}
     if work_dir or max_disk or keep_source:
         source_options = {"work_dir": work_dir, "max_disk": max_disk, "keep_source": keep_source}

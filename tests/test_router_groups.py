@@ -108,8 +108,10 @@ def test_supported_presets_pass():
     fw.check_supported(_our_cfg(64, 8, 4, 8, n_group=8))
 
 
-def test_validate_refuses_unsupported_router_in_one_line(tmp_path):
-    """The command line: the refusal is one `kimi-quant: error:` line before any layer runs."""
+@pytest.mark.parametrize("command", ["validate", "convert"])
+def test_cli_refuses_unsupported_router_in_one_line(tmp_path, command):
+    """The command line: one `kimi-quant: error:` line before any layer runs, and `convert --validate`
+    refuses before converting anything."""
     import json
     import shutil
     from importlib import resources
@@ -119,8 +121,11 @@ def test_validate_refuses_unsupported_router_in_one_line(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["text_config"]["moe_router_activation_func"] = "softmax"
     (src / "config.json").write_text(json.dumps(cfg))
-    r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "validate", str(src), str(src), "--quiet"],
-                       capture_output=True, text=True, timeout=300)
+    out = tmp_path / "out"
+    args = ["validate", str(src), str(src), "--quiet"] if command == "validate" else \
+        ["convert", str(src), "--target", "a3", "--output", str(out), "--validate", "--quiet"]
+    r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", *args], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kimi-quant: error:") and "router scoring 'softmax'" in err[0], r.stderr
+    assert not out.exists()
