@@ -273,16 +273,22 @@ def _validate_after(source, out_dir, max_ppl_increase, quiet):
     from .validate.run import format_table, run_validation
     from .write import write_json_atomic
 
-    report = run_validation(source, out_dir, json_path=str(Path(out_dir) / VALIDATION), progress=False)
-    if not quiet:
-        click.echo(format_table(report))
-    increase = (report["ratio"] - 1) * 100
-    passed = max_ppl_increase is None or increase <= max_ppl_increase
-    prov_path = Path(out_dir) / PROVENANCE
-    prov = json.loads(prov_path.read_text())
-    prov["validation"] = {"ppl_bf16": report["ppl_bf16"], "ppl_quant": report["ppl_quant"], "ratio": report["ratio"],
-                          "max_ppl_increase_pct": max_ppl_increase, "passed": passed}
-    write_json_atomic(prov_path, prov)
+    from .lock import output_lock
+
+    lock = output_lock(out_dir).acquire()  # it writes into the output: no convert there meanwhile
+    try:
+        report = run_validation(source, out_dir, json_path=str(Path(out_dir) / VALIDATION), progress=False)
+        if not quiet:
+            click.echo(format_table(report))
+        increase = (report["ratio"] - 1) * 100
+        passed = max_ppl_increase is None or increase <= max_ppl_increase
+        prov_path = Path(out_dir) / PROVENANCE
+        prov = json.loads(prov_path.read_text())
+        prov["validation"] = {"ppl_bf16": report["ppl_bf16"], "ppl_quant": report["ppl_quant"],
+                              "ratio": report["ratio"], "max_ppl_increase_pct": max_ppl_increase, "passed": passed}
+        write_json_atomic(prov_path, prov)
+    finally:
+        lock.release()
     if not passed:
         raise ValidationFailed(f"validation failed: perplexity rose {increase:.2f}% (bound {max_ppl_increase}%); "
                              f"the output stays in {out_dir}, marked as failing in its provenance")

@@ -8,7 +8,7 @@ after a crash redoes only what the journal does not vouch for.
 from __future__ import annotations
 
 import json
-import shutil
+import logging
 import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -19,6 +19,7 @@ from .errors import KimiQuantError
 from .executor import make_executor
 from .hashing import sha256_files
 from .journal import Journal, check_same_conversion
+from .lock import OUTPUT_LOCK, output_lock
 from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDATION, files_to_copy, provenance,
                                write_metadata_files)
 from .model.spec import load_model_spec_from_source
@@ -26,6 +27,9 @@ from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from .recipe import load_recipe
 from .source import Source, open_source
 from .targets import resolve_target
+from .untrusted import inside
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,15 +76,18 @@ def _plan_summary(plan: Plan) -> dict:
             "recipe_sha256": plan.recipe.get("sha256"), "tool_version": plan.tool_version}
 
 
-def prepare_output(out_dir: Path, plan: Plan, overwrite: bool) -> Journal:
-    """Open (or start) the journal, refusing to mix two conversions in one directory."""
+def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = ()) -> Journal:
+    """Open (or start) the journal, refusing to mix two conversions in one directory. The caller holds
+    the directory's lock (``output_lock``). ``will_write``: files besides the shards this run writes
+    (``--overwrite`` refuses to replace one of them that kimi-quant did not write)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = Journal(out_dir)
     summary = _plan_summary(plan)
     fingerprint = plan.fingerprint()
     # A journal torn before its first line was complete (and stale .partial files) mean a kimi-quant
     # run died at its very start: not someone else's files.
-    others = sorted(p.name for p in out_dir.iterdir() if p.name != journal.path.name and p.suffix != ".partial")
+    others = sorted(p.name for p in out_dir.iterdir()
+                    if p.name not in (journal.path.name, OUTPUT_LOCK) and p.suffix != ".partial")
     if journal.start is None and others:  # never cleared, even with --overwrite: it may be anyone's directory
         raise KimiQuantError(f"{out_dir} is not empty (it holds {others[0]!r}{' and more' if len(others) > 1 else ''}) "
                              "and is not a kimi-quant output; choose an empty or new --output "
@@ -89,7 +96,7 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool) -> Journal:
     if differs and not overwrite:
         check_same_conversion(journal, fingerprint, summary, out_dir)
     if differs and overwrite:
-        _clear_output(out_dir)
+        _clear_output(out_dir, journal, will_write)
         journal = Journal(out_dir)
     for stale in out_dir.rglob("*.partial"):  # copied files may live in subdirectories
         stale.unlink()
@@ -98,20 +105,48 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool) -> Journal:
     return journal
 
 
-def _clear_output(out_dir: Path) -> None:
-    for p in out_dir.iterdir():
-        if p.name.startswith(("quant_model_", "kimi_quant_")) or p.name in OWN_FILES or p.suffix == ".partial":
+def _ours(out_dir: Path, journal: Journal) -> set[str]:
+    """What an earlier conversion wrote into ``out_dir``, as the journal records it (names it has checked:
+    relative, no '..'), and the names only kimi-quant uses (a shard finished but not yet journaled)."""
+    ours = set(journal.units) | journal.written | set(OWN_FILES) | {"config.json"}
+    ours |= {p.name for p in out_dir.iterdir() if p.name.startswith(("quant_model_", "kimi_quant_"))}
+    return ours
+
+
+def _clear_output(out_dir: Path, journal: Journal, will_write=()) -> None:
+    """--overwrite: delete what the earlier conversion wrote, and only that; anything else (a user's
+    notes, a folder) is left in place, and one of those the new conversion would replace is refused."""
+    ours = _ours(out_dir, journal)
+    theirs = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*")
+                    if (p.is_file() or p.is_symlink()) and str(p.relative_to(out_dir)) not in ours
+                    and p.name not in (OUTPUT_LOCK, journal.path.name) and p.suffix != ".partial")
+    clash = sorted(set(theirs) & set(will_write))
+    if clash:
+        raise KimiQuantError(f"--overwrite: {out_dir / clash[0]} was not written by kimi-quant and the new conversion "
+                             "would replace it: move it out of --output first")
+    for name in sorted(ours):
+        p = out_dir / name
+        if (p.is_symlink() or p.is_file()) and inside(p.parent, out_dir):  # unlink removes a link, not its target
             p.unlink()
-        elif p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
+            for d in (out_dir / name).parents:  # folders that held only our copies
+                if d == out_dir or not inside(d, out_dir):
+                    break
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+    for stale in out_dir.rglob("*.partial"):
+        stale.unlink()
+    journal.path.unlink(missing_ok=True)  # last: until here a crash leaves a journal that still knows it all
+    if theirs:
+        log.warning("kimi-quant: warning: --overwrite kept %d file(s) kimi-quant did not write in %s: %s",
+                    len(theirs), out_dir, ", ".join(theirs[:5]) + (" ..." if len(theirs) > 5 else ""))
 
 
 def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     t0 = time.perf_counter()
     target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
-    executor = source = None
+    executor = source = lock = None
     ok = False
     try:
         if opts.executor == "local":  # workers start now and load the kernels while the driver plans
@@ -121,8 +156,12 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         out_dir = Path(opts.output).resolve()
         _refuse_overlap(getattr(source, "root", None), out_dir, "the source directory")
         _refuse_overlap(getattr(source, "work_dir", None), out_dir, "the hub staging directory (--work-dir)")
+        lock = output_lock(out_dir)
+        made_dir = not out_dir.exists()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock.acquire()  # two runs into one directory would mix their shards (released in finally)
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
-        journal = prepare_output(out_dir, plan, opts.overwrite)
+        journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"])
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
         ok = True
@@ -132,6 +171,10 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
             executor.shutdown(abort=not ok)
         if source is not None:
             source.close()
+        if lock is not None:
+            lock.release(keep_file=lock.found and not ok)
+            if made_dir and not ok and not any(out_dir.iterdir()):
+                out_dir.rmdir()  # refused before writing anything: leave no trace
 
 
 def _check_window(max_disk: int | None, todo: list, entries: dict) -> None:
@@ -158,6 +201,15 @@ def _carry_validation(out_dir: Path, prov: dict) -> None:
         prov["validation"] = old["validation"]
 
 
+def _check_claim(source: Source, name: str, sha: str, claimed: dict[str, str]) -> None:
+    """A shard hashed with --hash-inputs whose huggingface_hub record named another sha256: the cached file
+    is not the hub's (damaged, or the link is a lie); converting it would pass off other weights."""
+    if name in claimed and claimed[name] != sha:
+        raise KimiQuantError(f"{source.id}/{name}: its content has sha256 {sha}, but huggingface_hub's record (cache "
+                             f"link or download metadata) claims {claimed[name]}: the local copy is not the hub's; "
+                             "download it again")
+
+
 def _refuse_overlap(source_dir: Path | None, out_dir: Path, what: str) -> None:
     """An output that is, holds or sits in the source directory would be cleared by --overwrite
     (deleting the BF16 shards) or copied into itself on every run; likewise the hub staging area."""
@@ -180,9 +232,12 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
         for name in (DESCRIPTION, INDEX, VALIDATION):
             (out_dir / name).unlink(missing_ok=True)
         journal.reopen()
+    claimed = {}  # local files whose sha256 only a huggingface_hub record claims (a blobs/<sha> link, an etag)
     for f in entries.values():
-        if f.sha256:  # the hub's LFS sha256 (verified on download, or recorded by huggingface_hub): not hashed here
+        if f.sha256 and f.mtime_ns is None:  # a hub file: every download is checked against its LFS sha256
             journal.record_input(f.name, f.sha256, f.stamp)
+        elif f.sha256:
+            claimed[f.name] = f.sha256
     # With --hash-inputs, local shards are hashed by the first unit that reads them; a hash recorded by an earlier run
     # counts only if the file's size and mtime are unchanged (a repaired shard is hashed again).
     unhashed = {f for f in plan.inputs if f not in journal.inputs or journal.input_stamps.get(f) != entries[f].stamp}
@@ -227,6 +282,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                 unit = inflight.pop(fut)
                 res = fut.result()
                 for f, sha in (res.get("inputs") or {}).items():
+                    _check_claim(source, f, sha, claimed)
                     journal.record_input(f, sha, entries[f].stamp)
                 journal.record_unit(res["file"], res["size"], res["sha256"], made_from[unit.file])
                 for f in unit.needs:
@@ -237,15 +293,22 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
         bar.close()
     late = sorted(unhashed)  # shards whose units were all done by an earlier run
     for f, sha in zip(late, sha256_files([source.fetch(f) for f in late], desc="hash inputs", quiet=opts.quiet)):
+        _check_claim(source, f, sha, claimed)
         journal.record_input(f, sha, entries[f].stamp)
-    # a hash stands only for the file as it is now (without --hash-inputs, shards no hub vouched for: null)
-    inputs = {f: {"size": plan.inputs[f],
-                  "sha256": journal.inputs.get(f) if journal.input_stamps.get(f) == entries[f].stamp else None}
-              for f in sorted(plan.inputs)}
+    # a hash stands only for the file as it is now (without --hash-inputs, shards no hub vouched for: null);
+    # a hash huggingface_hub's cache only claims is kept apart, as unverified
+    inputs = {}
+    for f in sorted(plan.inputs):
+        sha = journal.inputs.get(f) if journal.input_stamps.get(f) == entries[f].stamp else None
+        inputs[f] = {"size": plan.inputs[f], "sha256": sha}
+        if sha is None and f in claimed:
+            inputs[f]["sha256_claimed_unverified"] = claimed[f]
     units = {u.file: {k: journal.units[u.file][k] for k in ("size", "sha256")} for u in plan.units}
     prov = provenance(plan, inputs, dict(sorted(units.items())))
     _carry_validation(out_dir, prov)
+    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, *files_to_copy(source)]
+    journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
     write_metadata_files(out_dir, plan, source, prov)
-    journal.mark_complete([INDEX, DESCRIPTION, "config.json", *files_to_copy(source)])
+    journal.mark_complete([n for n in around if n != PROVENANCE])
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
                          sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))

@@ -62,3 +62,20 @@ def to_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
     if dtype in ("F16", "F32", "F64"):
         return arr.astype(np.float32)
     raise TypeError(f"dtype {dtype} is not a float type")
+
+
+def nonfinite(arr: np.ndarray, dtype: str) -> bool:
+    """Whether a tensor (its storage array, any shape) holds a NaN or an Inf of its float ``dtype``;
+    False for integer dtypes. F8_E5M2 has Inf and NaN (exponent all ones), F8_E4M3 (fn) only NaN
+    (S.1111.111), F8_E8M0 only NaN (0xFF)."""
+    if dtype == "BF16":
+        return bool(np.any((arr & 0x7F80) == 0x7F80))
+    if dtype in ("F16", "F32", "F64"):
+        return not bool(np.isfinite(arr).all())
+    if dtype == "F8_E4M3":
+        return bool(np.any((arr & 0x7F) == 0x7F))
+    if dtype == "F8_E5M2":
+        return bool(np.any((arr & 0x7C) == 0x7C))
+    if dtype == "F8_E8M0":
+        return bool(np.any(arr == 0xFF))
+    return False

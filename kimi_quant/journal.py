@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 from pathlib import Path
 
 from .errors import KimiQuantError
 from .hashing import sha256_file, sha256_files
+from .untrusted import unsafe_name
 from .write.atomic import disk_full
+
+log = logging.getLogger(__name__)
 
 JOURNAL = "kimi_quant_journal.jsonl"
 
@@ -29,34 +33,51 @@ class Journal:
         self.input_stamps: dict[str, str | None] = {}  # source file -> FileEntry.stamp (size:mtime:ctime) when it was hashed
         self.complete = False
         self.metadata: dict[str, str] = {}  # metadata file -> sha256, recorded at completion
+        self.written: set[str] = set()  # every file the driver wrote (or was about to) besides shards: --overwrite's to delete
+        self.skipped = 0  # malformed lines ignored
         self._torn_tail = False  # the file ends in half a line: the next append starts a new one
         if self.path.exists():
             self._load()
 
     def _load(self) -> None:
+        if self.path.is_symlink():  # appends would land wherever it points
+            raise KimiQuantError(f"{self.path} is a symlink; a kimi-quant journal never is: remove it (or choose "
+                                 "another --output)")
         text = self.path.read_bytes().decode("utf-8", errors="replace")
         self._torn_tail = bool(text) and not text.endswith("\n")
-        for line in text.splitlines():
+        for n, line in enumerate(text.splitlines(), 1):
             try:
                 ev = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line torn by a crash
-            if not isinstance(ev, dict):
+                continue  # a line torn by a crash (the next append starts a new line after it)
+            except RecursionError:
+                self._skip(n, "nested too deeply")
+                continue
+            why = _malformed(ev)
+            if why:
+                self._skip(n, why)
                 continue
             kind = ev.get("kind")
             if kind == "start":
                 self.start = ev
-            elif kind == "unit" and {"file", "size", "sha256"} <= ev.keys():
+            elif kind == "unit":
                 self.units[ev["file"]] = {"size": ev["size"], "sha256": ev["sha256"], "inputs": ev.get("inputs")}
-            elif kind == "input" and {"file", "sha256"} <= ev.keys():
+            elif kind == "input":
                 self.inputs[ev["file"]] = ev["sha256"]
                 self.input_stamps[ev["file"]] = ev.get("stamp")
+            elif kind == "writing":
+                self.written.update(ev["files"])
             elif kind == "complete":
                 self.complete = True
-                self.metadata = ev.get("files") if isinstance(ev.get("files"), dict) else {}
+                self.metadata = ev["files"]
+                self.written.update(ev["files"])
             elif kind == "reopen":
                 self.complete = False
                 self.metadata = {}
+
+    def _skip(self, n: int, why: str) -> None:
+        self.skipped += 1
+        log.warning("kimi-quant: warning: %s line %d ignored (%s); what it recorded will be redone", self.path, n, why)
 
     def _append(self, ev: dict) -> None:
         line = json.dumps(ev, sort_keys=True) + "\n"
@@ -90,6 +111,14 @@ class Journal:
             self.input_stamps[file] = stamp
             self._append({"kind": "input", "file": file, "sha256": sha256, "stamp": stamp})
 
+    def record_writing(self, names: list[str]) -> None:
+        """Files about to be written next to the shards (config, copies, index, ...): recorded first, so an
+        --overwrite after a crash part-way through still knows they are kimi-quant's to delete."""
+        new = sorted(set(names) - self.written)
+        if new:
+            self.written.update(new)
+            self._append({"kind": "writing", "files": new})
+
     def mark_complete(self, names: list[str]) -> None:
         """Record completion with the sha256 of the files around the shards (index, description,
         config.json, copied tokenizer files, ...) so ``verify`` notices later edits; again whenever a
@@ -101,6 +130,7 @@ class Journal:
             return
         self.complete = True
         self.metadata = files
+        self.written.update(files)
         self._append({"kind": "complete", "files": files})
 
     def reopen(self) -> None:
@@ -116,9 +146,44 @@ class Journal:
         The rest is redone."""
         sized = [(f, rec) for f, rec in sorted(self.units.items())
                  if f in expected and rec.get("inputs") == expected[f]
-                 and (out_dir / f).is_file() and (out_dir / f).stat().st_size == rec["size"]]
+                 and (out_dir / f).is_file() and not (out_dir / f).is_symlink()
+                 and (out_dir / f).stat().st_size == rec["size"]]
         shas = sha256_files([out_dir / f for f, _ in sized], desc="check kept shards", quiet=quiet)
         return {f: rec for (f, rec), sha in zip(sized, shas) if sha == rec["sha256"]}
+
+
+def _malformed(ev) -> str | None:
+    """Why a parsed journal line cannot be used (None when it can): lines are read back by every later
+    command, so a damaged or hand-edited one must not crash them, nor name a file outside the output."""
+    if not isinstance(ev, dict):
+        return "not an object"
+    kind = ev.get("kind")
+    if kind in ("unit", "input"):
+        why = unsafe_name(ev.get("file"))
+        if why:
+            return f"'file' {str(ev.get('file'))[:60]} {why}"
+        if not isinstance(ev.get("sha256"), str):
+            return "'sha256' is not a string"
+        if kind == "unit" and (type(ev.get("size")) is not int or ev["size"] < 0):
+            return "'size' is not a byte count"
+        if kind == "unit" and not isinstance(ev.get("inputs"), (dict, type(None))):
+            return "'inputs' is not an object"
+        if kind == "input" and not isinstance(ev.get("stamp"), (str, type(None))):
+            return "'stamp' is not a string"
+    elif kind in ("complete", "writing"):
+        files = ev.get("files")
+        if kind == "complete" and not isinstance(files, dict):
+            return "'files' is not an object"
+        if not isinstance(files, (dict, list)) or any(unsafe_name(f) for f in files):
+            return "'files' names something that is not a file in the output"
+        if kind == "complete" and not all(isinstance(v, str) for v in files.values()):
+            return "'files' holds a hash that is not a string"
+    elif kind == "start":
+        if not isinstance(ev.get("fingerprint"), str):
+            return "'fingerprint' is not a string"
+    elif kind != "reopen":
+        return f"unknown kind {str(kind)[:40]!r}"
+    return None
 
 
 def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out_dir: Path) -> None:

@@ -160,6 +160,22 @@ def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str |
             for suffix, (dt, shp) in get_codec(scheme).out_specs(tuple(shape), matmul).items()]
 
 
+def _check_index(source_id: str, weight_map: dict[str, str], headers: dict[str, dict]) -> None:
+    """The index and the shard headers agree: every tensor the index names is in its shard, and every
+    tensor of a shard is in the index, mapped to that shard (a tensor in two shards is refused)."""
+    for name, file in weight_map.items():
+        if name not in headers[file]:
+            raise BadCheckpoint(f"{source_id}/{file}: tensor {name!r} is named in the index but absent from this shard")
+    for file, header in headers.items():
+        for name in header:
+            mapped = weight_map.get(name)
+            if mapped is None:
+                raise BadCheckpoint(f"{source_id}/{file}: tensor {name!r} is in this shard but not in the index")
+            if mapped != file:
+                raise BadCheckpoint(f"{source_id}/{file}: tensor {name!r} is also in this shard (the index maps it to "
+                                    f"{mapped}): a tensor must be in one shard")
+
+
 def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
     """Plan a conversion from headers only; refuses bad recipes and inconsistent inputs up front."""
@@ -176,12 +192,13 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
     by_file: dict[str, list[str]] = defaultdict(list)
     for name, file in weight_map.items():
         by_file[file].append(name)
+    headers = {file: source.header(file) for file in files}
+    _check_index(source.id, weight_map, headers)
+    spec.check_inventory({n: (headers[f][n].shape, headers[f][n].dtype) for n, f in weight_map.items()},
+                         f"{source.id}")
     for file in files:
-        header = source.header(file)
+        header = headers[file]
         in_index = by_file[file]
-        for name in in_index:
-            if name not in header:
-                raise BadCheckpoint(f"{source.id}/{file}: tensor {name!r} is named in the index but absent from this shard")
         for name in sorted(in_index, key=lambda n: header[n].start):
             info = header[name]
             if name.endswith(("weight_packed", "weight_scale", "weight_zero_point")) and info.dtype in ("U8", "I8", "I32"):
@@ -198,6 +215,8 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
                     why = f"source dtype {info.dtype} is not a float type"
                 if why is None and not name.endswith(".weight"):
                     why = "only '.weight' tensors of Linear layers can be quantized"
+                if why is None and spec.family != "generic" and not role.linear:
+                    why = f"it is not a Linear layer's weight (role {role.role}); only Linear weights can be quantized"
                 if why:
                     raise RecipeError(f"tensor {name!r} {info.dtype}{list(info.shape)} cannot be {scheme}: {why}")
             if role.fuse_group:

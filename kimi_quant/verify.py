@@ -13,7 +13,9 @@ from .errors import KimiQuantError
 from .hashing import sha256_file, sha256_files
 from .journal import Journal
 from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
-from .source.safetensors import read_header
+from .dtypes import nonfinite
+from .source.safetensors import SafetensorsReader, read_header
+from .untrusted import inside, unsafe_name
 
 TOP_LEVEL = ("version", "model_quant_type", "group_size", "metadata", "optional")
 
@@ -24,11 +26,16 @@ def _fail(out_dir: Path, msg: str) -> KimiQuantError:
 
 def _load_json(out_dir: Path, name: str) -> dict:
     try:
-        return json.loads((out_dir / name).read_text())
+        data = json.loads((out_dir / name).read_text())
     except FileNotFoundError:
         raise _fail(out_dir, f"{name} is missing (conversion incomplete?)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _fail(out_dir, f"{name} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise _fail(out_dir, f"{name} is nested too deeply to be kimi-quant's") from None
+    if not isinstance(data, dict):
+        raise _fail(out_dir, f"{name} is not a JSON object")
+    return data
 
 
 def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
@@ -69,6 +76,26 @@ def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[i
                 raise _fail(out_dir, f"{base}.{suffix}: is {got}, {typ} needs {wdt}{list(wshape)}")
 
 
+def _check_finite(out_dir: Path, files: list[str], desc: dict) -> None:
+    """No float tensor written holds a NaN or an Inf (of its dtype; MX scales as E8M0, whose NaN is 0xFF)."""
+    from .quant import REGISTRY
+
+    for f in files:
+        with SafetensorsReader(out_dir / f) as r:
+            for name, t in r.tensors.items():
+                base, _, suffix = name.rpartition(".")
+                codec = REGISTRY.get(desc.get(base + ".weight"))
+                dtype = "F8_E8M0" if codec is not None and suffix in codec.e8m0_outputs else t.dtype
+                if dtype not in ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"):
+                    continue
+                arr = r.array(name).reshape(-1)
+                step = 1 << 24
+                for i in range(0, arr.size, step):
+                    if nonfinite(arr[i:i + step], dtype):
+                        raise _fail(out_dir, f"{f}: tensor {name!r} holds a NaN or Inf")
+                r.release(name)
+
+
 def _check_top_level(out_dir: Path, desc: dict) -> None:
     """model_quant_type is the highest type present (W4A8_DYNAMIC never counting); group_size fits it."""
     from .quant import REGISTRY
@@ -98,7 +125,8 @@ def _check_provenance(out_dir: Path, journal: Journal) -> None:
         raise _fail(out_dir, f"{PROVENANCE} belongs to another conversion (plan fingerprint differs)")
     outputs = prov.get("outputs") or {}
     for f, rec in journal.units.items():
-        got = outputs.get(f) or {}
+        got = (outputs.get(f) if isinstance(outputs, dict) else None) or {}
+        got = got if isinstance(got, dict) else {}
         if got.get("sha256") != rec["sha256"] or got.get("size") != rec["size"]:
             raise _fail(out_dir, f"{PROVENANCE}: record of {f} differs from the journal")
 
@@ -122,9 +150,15 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     index = _load_json(out_dir, INDEX)
     desc = _load_json(out_dir, DESCRIPTION)
     weight_map = index.get("weight_map") or {}
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise _fail(out_dir, f"{INDEX}: weight_map is not an object of file names")
     files = sorted(set(weight_map.values()))
     if set(files) != set(journal.units):
         raise _fail(out_dir, f"index names {len(files)} shards, journal {len(journal.units)}")
+    for f in [*files, *journal.metadata]:
+        if unsafe_name(f) or (out_dir / f).is_symlink() or not inside(out_dir / f, out_dir):
+            raise _fail(out_dir, f"{f} is a link (or a name) leading out of the output; an output holds only its "
+                                 "own files")
     for f in files:
         p = out_dir / f
         if not p.exists():
@@ -160,6 +194,8 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
         raise _fail(out_dir, f"{DESCRIPTION} and the shards disagree on tensor {extra[0]!r}")
     _check_types(out_dir, desc, shapes)
     _check_top_level(out_dir, desc)
+    if rehash:
+        _check_finite(out_dir, files, desc)
     _check_provenance(out_dir, journal)
     config = _load_json(out_dir, "config.json")
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):

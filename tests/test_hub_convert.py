@@ -308,7 +308,8 @@ def test_no_hub_options_uses_default_work_dir(ckpts, hub_env, tmp_path, monkeypa
 @pytest.mark.parametrize("layout", ["cache", "local_dir"])
 def test_hub_download_on_disk_keeps_the_hub_sha256(ckpts, hub_env, tmp_path, layout):
     """A directory the real huggingface_hub client downloaded (its cache, or a --local-dir) carries the
-    hub's sha256 of each shard: the provenance has them without hashing, while the files are unchanged."""
+    hub's sha256 of each shard: the provenance keeps them without hashing, while the files are unchanged,
+    but as claims (anyone can name a file blobs/<sha>); --hash-inputs checks them and then they count."""
     import os
 
     from huggingface_hub import snapshot_download
@@ -320,14 +321,21 @@ def test_hub_download_on_disk_keeps_the_hub_sha256(ckpts, hub_env, tmp_path, lay
     r = kq("convert", local, "--target", TARGET, "--output", tmp_path / "out", "--max-shard-size", MAX_SHARD)
     assert r.returncode == 0, r.stderr
     prov = json.loads((tmp_path / "out" / PROVENANCE).read_text())
+    assert {f: v["sha256_claimed_unverified"] for f, v in prov["inputs"].items()} == want
+    assert {v["sha256"] for v in prov["inputs"].values()} == {None}
+    r = kq("convert", local, "--target", TARGET, "--output", tmp_path / "out", "--max-shard-size", MAX_SHARD,
+           "--hash-inputs")
+    assert r.returncode == 0, r.stderr
+    prov = json.loads((tmp_path / "out" / PROVENANCE).read_text())
     assert {f: v["sha256"] for f, v in prov["inputs"].items()} == want
+    assert not any("sha256_claimed_unverified" in v for v in prov["inputs"].values())
     if layout == "local_dir":  # a file touched after its download no longer counts as the hub's
         later = (local / s.shards[0]).stat().st_mtime + 10
         os.utime(local / s.shards[0], (later, later))
         r = kq("convert", local, "--target", TARGET, "--output", tmp_path / "out2", "--max-shard-size", MAX_SHARD)
         assert r.returncode == 0, r.stderr
         prov = json.loads((tmp_path / "out2" / PROVENANCE).read_text())
-        assert {f: v["sha256"] for f, v in prov["inputs"].items()} == {**want, s.shards[0]: None}
+        assert {f: v.get("sha256_claimed_unverified") for f, v in prov["inputs"].items()} == {**want, s.shards[0]: None}
 
 
 def test_output_overlapping_the_staging_dir_is_refused(ckpts, hub_env, tmp_path):

@@ -285,7 +285,9 @@ def test_overwrite_replaces_another_conversion(interrupted, tmp_path, tiny_sourc
     index = json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
     shards = {p.name for p in out.glob("quant_model_weights-*")}
     assert shards == set(index["weight_map"].values())  # nothing left of the replaced conversion
-    assert not (out / "user_file.txt").exists()
+    # only what kimi-quant wrote is replaced (issue 13): the user's file stays, and the run says so
+    assert (out / "user_file.txt").read_text() == "mine"
+    assert "kept 1 file(s) kimi-quant did not write" in r.stderr and "user_file.txt" in r.stderr
 
 
 def test_a_foreign_directory_is_refused_even_with_overwrite(mid_source, tmp_path):

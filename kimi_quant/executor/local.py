@@ -124,6 +124,10 @@ class LocalExecutor:
 
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None):
         self.workers = max(1, int(workers or os.cpu_count() or 1))
+        most = 8 * (os.cpu_count() or 1)
+        if self.workers > most:  # each is a process holding a tensor: a typo'd 100000 would exhaust the machine
+            raise KimiQuantError(f"--workers {self.workers} is more than {most} (8 per core on this machine): more "
+                                 "processes than that only cost memory; use fewer")
         self.on_progress = on_progress or (lambda n: None)
         self.slots = self.workers
         self._pool = self._queue = self._drain = self._launcher = None

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..dtypes import nonfinite
 from ..errors import BadCheckpoint
 from ..hashing import sha256_file
 from ..plan import UnitPlan
@@ -23,12 +24,20 @@ from ..write import ShardWriter
 CHUNK = 64 * 1024 * 1024  # FLOAT tensors stream through in chunks of this many bytes
 
 
-def _nonfinite(chunk: np.ndarray, dtype: str) -> bool:
-    if dtype == "BF16":
-        return bool(np.any((chunk & 0x7F80) == 0x7F80))
-    if dtype in ("F16", "F32", "F64"):
-        return not bool(np.isfinite(chunk).all())
-    return False
+def check_codec_outputs(scheme: str, outputs: list, arrays, where: str) -> None:
+    """The one gate between a codec and the writer: no NaN or Inf (of the output's dtype, or of E8M0
+    for MX scales) and no scale of zero or below is ever written, whatever the codec computed (int4
+    ``scale_bias`` of weights near the bf16 maximum overflows float32, for one)."""
+    e8m0 = get_codec(scheme).e8m0_outputs
+    for (name, dtype, _), arr in zip(outputs, arrays):
+        suffix = name.rsplit(".", 1)[-1]
+        bad = nonfinite(arr, "F8_E8M0" if suffix in e8m0 else dtype)
+        if not bad and suffix == "weight_scale" and dtype in ("F32", "F16") and not bool(np.all(arr > 0)):
+            raise BadCheckpoint(f"{where}: {scheme} gives {name} a scale of zero or below; refusing to write it")
+        if bad:
+            raise BadCheckpoint(f"{where}: {scheme} gives {name} a NaN or Inf (weights too close to the top of the "
+                                "float range?); refusing to write it (keep this tensor FLOAT with --override, or fix "
+                                "the weights)")
 
 
 def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
@@ -64,6 +73,7 @@ def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
                         out = get_codec(t.scheme).quantize(w.astype(np.float32), t.matmul)
                 except ValueError as e:  # codecs refuse NaN / Inf
                     raise BadCheckpoint(f"{where}: {e}") from None
+                check_codec_outputs(t.scheme, t.outputs, out.values(), where)
                 for (name, _, _), arr in zip(t.outputs, out.values()):
                     writer.write(name, arr)
                 del out, w
@@ -89,7 +99,7 @@ def _copy_float(writer: ShardWriter, reader: SafetensorsReader, t, where: str) -
     def chunks():
         for i in range(0, arr.size, step):
             chunk = arr[i:i + step]
-            if _nonfinite(chunk, t.dtype):
+            if nonfinite(chunk, t.dtype):
                 raise BadCheckpoint(f"{where}: contains NaN or Inf")
             yield chunk
             reader.release_range(start + i * arr.itemsize, chunk.nbytes)

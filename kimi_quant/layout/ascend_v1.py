@@ -7,11 +7,14 @@ last of all, so an interrupted output never looks like a loadable checkpoint.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .. import __version__
+from ..errors import KimiQuantError
 from ..plan import Plan
 from ..source.base import SINGLE_FILE, WEIGHT_INDEX, Source
+from ..untrusted import inside
 from ..write import write_atomic, write_json_atomic
 
 INDEX = "quant_model_weights.safetensors.index.json"
@@ -48,6 +51,9 @@ def write_metadata_files(out_dir: Path, plan: Plan, source: Source, provenance: 
     for name in files_to_copy(source):
         dest = out_dir / name
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if not inside(dest.parent, out_dir):  # a folder of the output replaced by a link out of it
+            raise KimiQuantError(f"{dest.parent} links to {os.path.realpath(dest.parent)}, outside {out_dir}: "
+                                 "refusing to write there (remove the link)")
         write_atomic(dest, source.read_bytes(name))
     write_json_atomic(out_dir / "config.json", clean_config(source.read_json("config.json")))
     write_json_atomic(out_dir / PROVENANCE, provenance)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KimiQuantError
+from ..untrusted import parse_json
 
 SUPPORTED_FAMILIES = ("kimi_k3 (Kimi K3 / K3.1, with or without the DSA indexer)",
                       "kimi_linear (Kimi Linear 48B-A3B layout: low-rank KDA output gate, softplus decay, MLA without q_lora)")
@@ -29,6 +30,45 @@ def _first(d: dict[str, Any], *keys: str, default: Any) -> Any:
         if d.get(k) is not None:
             return d[k]
     return default
+
+
+# Bounds on config numbers: far above any real model, low enough that a hostile config.json cannot make
+# planning enumerate billions of tensor names (K3.1 Pro: 93 layers, 896 experts, vocab 163840).
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
+MAX_VOCAB = 1 << 24
+MAX_DIM = 1 << 20
+
+
+class _Bad(ValueError):
+    pass
+
+
+def _count(d: dict, key: str, default, lo: int, hi: int) -> int | None:
+    """``d[key]`` as a JSON integer in [lo, hi]; ``default`` when absent (or null, for an optional key).
+    1e12, -1, "6" and true are refused by name: int() would take "6" and 6.0 and let -1 through."""
+    v = d.get(key)
+    if v is None:
+        if key in _REQUIRED:
+            raise _Bad(f"{key} is missing")
+        return default
+    if type(v) is not int:
+        raise _Bad(f"{key} must be a whole number, got {v!r}"[:160])
+    if not lo <= v <= hi:
+        raise _Bad(f"{key} = {v} is out of range (expected {lo} to {hi})")
+    return v
+
+
+_REQUIRED = {"vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+             "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_experts",
+             "num_experts_per_token", "moe_intermediate_size"}
+
+
+def _layer_list(lac: dict, key: str, layers: int) -> tuple[int, ...]:
+    v = lac.get(key, [])
+    if not isinstance(v, list) or any(type(x) is not int or not 1 <= x <= layers for x in v):
+        raise _Bad(f"linear_attn_config.{key} must list layer numbers 1..{layers}, got {str(v)[:80]}")
+    return tuple(v)
 
 
 @dataclass(frozen=True)
@@ -82,33 +122,37 @@ class TextConfig:
     def from_dict(cls, d: dict[str, Any]) -> "TextConfig":
         try:
             lac = d.get("linear_attn_config") or {}
-            return cls(
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=int(d["hidden_size"]),
-                num_hidden_layers=int(d["num_hidden_layers"]),
-                intermediate_size=int(d["intermediate_size"]),
-                num_attention_heads=int(d["num_attention_heads"]),
-                q_lora_rank=None if d["q_lora_rank"] is None else int(d["q_lora_rank"]),
-                kv_lora_rank=int(d["kv_lora_rank"]),
-                qk_nope_head_dim=int(d["qk_nope_head_dim"]),
-                qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-                v_head_dim=int(d["v_head_dim"]),
-                num_experts=int(d["num_experts"]),
-                num_experts_per_token=int(d["num_experts_per_token"]),
-                num_shared_experts=int(d.get("num_shared_experts", 0)),
-                moe_intermediate_size=int(d["moe_intermediate_size"]),
-                routed_expert_hidden_size=d.get("routed_expert_hidden_size"),
-                first_k_dense_replace=int(d.get("first_k_dense_replace", 0)),
-                kda_num_heads=int(lac.get("num_heads", 0)),
-                kda_head_dim=int(lac.get("head_dim", 0)),
-                short_conv_kernel_size=int(lac.get("short_conv_kernel_size", 4)),
-                kda_layers=tuple(int(x) for x in lac.get("kda_layers", ())),
-                full_attn_layers=tuple(int(x) for x in lac.get("full_attn_layers", ())),
-                attn_res_block_size=d.get("attn_res_block_size"),
+            if not isinstance(lac, dict):
+                raise _Bad(f"linear_attn_config must be an object, got {lac!r}"[:160])
+            n = lambda key, default=None, lo=1, hi=MAX_DIM, where=d: _count(where, key, default, lo, hi)  # noqa: E731
+            layers = n("num_hidden_layers", hi=MAX_LAYERS)
+            t = cls(
+                vocab_size=n("vocab_size", hi=MAX_VOCAB),
+                hidden_size=n("hidden_size"),
+                num_hidden_layers=layers,
+                intermediate_size=n("intermediate_size"),
+                num_attention_heads=n("num_attention_heads"),
+                q_lora_rank=n("q_lora_rank", None),  # null: MLA without a query latent (Kimi Linear)
+                kv_lora_rank=n("kv_lora_rank"),
+                qk_nope_head_dim=n("qk_nope_head_dim"),
+                qk_rope_head_dim=n("qk_rope_head_dim"),
+                v_head_dim=n("v_head_dim"),
+                num_experts=n("num_experts", lo=0, hi=MAX_EXPERTS),
+                num_experts_per_token=n("num_experts_per_token", lo=0, hi=MAX_EXPERTS),
+                num_shared_experts=n("num_shared_experts", 0, lo=0, hi=MAX_EXPERTS),
+                moe_intermediate_size=n("moe_intermediate_size"),
+                routed_expert_hidden_size=n("routed_expert_hidden_size", None),
+                first_k_dense_replace=n("first_k_dense_replace", 0, lo=0, hi=MAX_LAYERS),
+                kda_num_heads=n("num_heads", 0, lo=0, where=lac),
+                kda_head_dim=n("head_dim", 0, lo=0, where=lac),
+                short_conv_kernel_size=n("short_conv_kernel_size", 4, where=lac),
+                kda_layers=_layer_list(lac, "kda_layers", layers),
+                full_attn_layers=_layer_list(lac, "full_attn_layers", layers),
+                attn_res_block_size=n("attn_res_block_size", None),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-                index_n_heads=d.get("index_n_heads"),
-                index_head_dim=d.get("index_head_dim"),
-                index_topk=d.get("index_topk"),
+                index_n_heads=n("index_n_heads", None),
+                index_head_dim=n("index_head_dim", None),
+                index_topk=n("index_topk", None),
                 routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
                 moe_renormalize=bool(_first(d, "moe_renormalize", "norm_topk_prob", default=True)),
                 situ_beta=float(d.get("activation_situ_beta", 4.0)),
@@ -123,8 +167,18 @@ class TextConfig:
                 topk_method=str(_first(d, "topk_method", default="noaux_tc")),
                 raw=d,
             )
+        except _Bad as e:
+            raise KimiQuantError(f"config.json: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # AttributeError: a list where an object belongs
             raise KimiQuantError(f"config.json: K3-family text config is missing or has a bad field: {e}") from None
+        if t.first_k_dense_replace < t.num_hidden_layers and not 1 <= t.num_experts_per_token <= t.num_experts:
+            raise KimiQuantError(f"config.json: num_experts {t.num_experts} and num_experts_per_token "
+                                 f"{t.num_experts_per_token}: MoE layers need 1 <= num_experts_per_token <= num_experts")
+        if t.kda_layers and not (t.kda_num_heads and t.kda_head_dim):
+            raise KimiQuantError("config.json: linear_attn_config lists kda_layers but no num_heads / head_dim")
+        if t.has_indexer and not (t.index_n_heads and t.index_head_dim):
+            raise KimiQuantError("config.json: index_topk is set but index_n_heads / index_head_dim are not")
+        return t
 
     # -- layer structure ------------------------------------------------------------------
     def is_kda(self, layer: int) -> bool:
@@ -231,6 +285,39 @@ class ModelSpec:
 
     def _is_kda_layer(self, layer: int | None) -> bool:
         return layer is not None and self.text.is_kda(layer) and not self.text.is_full_attn(layer)
+
+    def check_inventory(self, found: dict[str, tuple[tuple[int, ...], str]], where: str) -> None:
+        """The checkpoint's tensors (name -> (shape, dtype)) are the ones config.json describes: each
+        missing, extra, wrongly shaped or non-float tensor is refused in one line (a checkpoint that does
+        not match its config would convert into an output that looks complete and does not load).
+        Vision-tower tensors are not modelled here and pass; a generic model (user recipe) is not checked."""
+        if self.text is None:
+            return
+        t = self.text
+        moe_layers = max(0, t.num_hidden_layers - t.first_k_dense_replace)
+        at_least = moe_layers * 3 * t.num_experts + t.num_hidden_layers * 8
+        if at_least > 2 * len(found) + 1000:  # before enumerating what could be billions of names
+            raise KimiQuantError(f"{where}: config.json describes at least {at_least} tensors (num_hidden_layers "
+                                 f"{t.num_hidden_layers}, num_experts {t.num_experts}) but the checkpoint holds "
+                                 f"{len(found)}: not this checkpoint's config")
+        expected = self.expected_tensors(with_vision=False)
+        text = {n: v for n, v in found.items() if not _VISION.match(n)}
+        missing = sorted(set(expected) - set(text))
+        extra = sorted(set(text) - set(expected))
+        more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""  # noqa: E731
+        if missing:
+            raise KimiQuantError(f"{where}: tensor {missing[0]!r}{more(missing)} is missing: config.json's model has it")
+        if extra:
+            raise KimiQuantError(f"{where}: tensor {extra[0]!r}{more(extra)} is not part of the model config.json "
+                                 "describes (wrong config, or a stray tensor)")
+        for name, (shape, dtype) in sorted(text.items()):
+            want = expected[name][0]
+            if tuple(shape) != want:
+                raise KimiQuantError(f"{where}: tensor {name!r} has shape {list(shape)} but config.json implies "
+                                     f"{list(want)}")
+            if dtype not in ("BF16", "F16", "F32"):
+                raise KimiQuantError(f"{where}: tensor {name!r} is {dtype}; a BF16 checkpoint holds float tensors "
+                                     f"(config.json's model has {expected[name][1]} here)")
 
     def expected_tensors(self, with_vision: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
         """Every tensor a checkpoint of this config holds: name -> (shape, safetensors dtype)."""
@@ -358,11 +445,9 @@ def spec_from_config(config: dict[str, Any], source: str = "config.json") -> Mod
 def load_model_spec(source_dir: str | Path) -> ModelSpec:
     path = Path(source_dir) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        config = parse_json(path.read_bytes(), str(path))
     except FileNotFoundError:
         raise KimiQuantError(f"{path}: not found (a source needs config.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KimiQuantError(f"{path}: not valid JSON ({e})") from None
     return spec_from_config(config, str(path))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from ..hashing import sha256_file
 from ..journal import JOURNAL
 from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 from ..source.hub import retry_after
+from ..untrusted import inside
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def check_output(output_dir: Path) -> dict | None:
     try:
         index = json.loads((output_dir / INDEX).read_text())
         shards = sorted(set((index.get("weight_map") or {}).values()))
-    except (OSError, ValueError, AttributeError) as e:
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError) as e:
         raise PublishError(f"{output_dir / INDEX}: unreadable ({e}); refusing to publish") from None
     if not shards:
         raise PublishError(f"{output_dir / INDEX}: empty weight_map; refusing to publish")
@@ -91,7 +93,7 @@ def _read_json(path: Path) -> dict | None:
     try:
         data = json.loads(path.read_text())
         return data if isinstance(data, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -211,6 +213,9 @@ def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card
             continue
         if rel in NOT_UPLOADED or rel.endswith((".partial", ".tmp")):
             continue
+        if not inside(p, output_dir):  # never upload what lies outside the directory the user named
+            raise PublishError(f"{p} links to {os.path.realpath(p)}, outside {output_dir}: refusing to publish it "
+                               "(remove the link, or copy the file in)")
         size = p.stat().st_size
         lfs = rel.endswith(LFS_SUFFIXES) or size >= 10 * 1024 * 1024
         target = rel
@@ -230,7 +235,6 @@ def publish(output_dir, repo_id: str, private: bool = False, branch: str | None 
             endpoint: str | None = None, commit_message: str | None = None, card: bool = True, retries: int = 5,
             backoff: float = 2.0, verify: bool = True, echo=None) -> PublishResult:
     """Create ``repo_id`` if needed and upload ``output_dir`` to ``branch`` (default main); see module doc."""
-    import os
 
     from huggingface_hub import HfApi, constants
 

@@ -36,6 +36,8 @@ class Codec:
     name: ClassVar[str]
     #: rank in model_quant_type ordering (highest present wins); None never counts
     rank: ClassVar[int | None] = None
+    #: outputs stored as U8 that hold E8M0 scales (0xFF is their NaN: never written)
+    e8m0_outputs: ClassVar[tuple[str, ...]] = ()
     #: the suffixes ``dequantize`` reads
     dequant_inputs: ClassVar[tuple[str, ...]] = ("weight", "weight_scale")
 

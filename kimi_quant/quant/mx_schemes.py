@@ -14,6 +14,7 @@ class _MX(Codec):
     """Shared by both MX schemes: codes + E8M0 scales per 32 along K; subclasses name the element type."""
 
     elem: str  # numerics.MX_ELEMENTS key
+    e8m0_outputs = ("weight_scale",)
 
     @staticmethod
     def _pack(code: np.ndarray) -> np.ndarray:

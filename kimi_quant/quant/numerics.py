@@ -15,7 +15,8 @@ W4A8_DYNAMIC  int4 per row: best of a scale grid below absmax, then least-square
 W4A8_MXFP     E2M1 + E8M0 per 32 along K, exponent chosen from {OCP rule e0, e0 + 1} by block SSE.
 W8A8_MXFP8    E4M3 + E8M0 per 32 along K, exponent chosen likewise from {OCP rule, OCP rule + 1}.
 
-All-zero rows/blocks: int scales are 1.0 (never 0 or NaN); MX scale byte is 127 (2^0); codes are 0.
+All-zero rows/blocks: int scales are 1.0 (never 0 or NaN); MX scale byte is 127 (2^0); codes are 0. A row
+so small that its int scale underflows to 0 (only F32 weights ~1e-45 can be) counts as all-zero.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def floor_log2(x: np.ndarray) -> np.ndarray:
 
 def int8_scale(amax: np.ndarray) -> np.ndarray:
     """float32 scale per row: amax / 127 (float32 division), 1.0 for all-zero rows."""
-    amax = amax.astype(np.float32)
-    return np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    s = amax.astype(np.float32) / np.float32(127.0)
+    return np.where(s > 0, s, np.float32(1.0)).astype(np.float32)  # also rows whose amax / 127 underflows (F32 ~1e-45)
 
 
 def int8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -179,8 +180,9 @@ def int4_search_scale(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sum(w^2) is common to all candidates).  All-zero rows get s = 1.0.
     """
     amax = np.abs(w).max(axis=1)
-    nz = amax > 0
-    s0 = np.where(nz, amax / np.float32(7.0), np.float32(1.0)).astype(np.float32)
+    s0 = (amax / np.float32(7.0)).astype(np.float32)
+    nz = s0 > 0  # a row whose amax / 7 underflows (F32 weights ~1e-45) is quantized as an all-zero row
+    s0 = np.where(nz, s0, np.float32(1.0)).astype(np.float32)
     wf, k = _int4_fixed_point(w, amax)
     s, best_e, sxq, sqq, div = None, None, None, None, None
     for f in INT4_GRID:
@@ -226,8 +228,8 @@ def int4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def int4_absmax_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The naive rule (absmax / 7, round to nearest): the quality baseline."""
-    amax = np.abs(w).max(axis=1)
-    s = np.where(amax > 0, amax / np.float32(7.0), np.float32(1.0)).astype(np.float32)
+    s = (np.abs(w).max(axis=1) / np.float32(7.0)).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
     return int4_codes(w, s).astype(np.int8), s
 
 

@@ -118,6 +118,8 @@ def load_recipe(target: str, path: str | Path | None = None, overrides: list[str
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{where}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise RecipeError(f"{where}: TOML nested too deeply to be a recipe") from None
     targets = _table(data.get("targets"), "'targets'", where)
     section = targets.get(target)
     if not isinstance(section, dict):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadCheckpoint
+from ..untrusted import parse_json, unsafe_name
 from .safetensors import TensorInfo
 
 WEIGHT_INDEX = "model.safetensors.index.json"
@@ -67,21 +68,36 @@ class Source:
         pass
 
     # -- derived ---------------------------------------------------------------------------
-    def read_json(self, name: str) -> dict:
-        try:
-            return json.loads(self.read_bytes(name))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadCheckpoint(f"{self.id}/{name}: not valid JSON ({e})") from None
+    def read_json(self, name: str, unique_keys: bool = False):
+        """``name`` parsed as JSON; one line for anything that is not (including nesting too deep to
+        parse). ``unique_keys``: an object that repeats a key is refused, not silently last-wins."""
+        return parse_json(self.read_bytes(name), f"{self.id}/{name}", unique_keys)
 
     def weight_map(self) -> dict[str, str]:
-        """tensor name -> shard file, from the index (or the single ``model.safetensors``)."""
+        """tensor name -> shard file, from the index (or the single ``model.safetensors``).
+
+        Every shard the index names must be a plain relative name of a file in the checkpoint: an
+        index pointing at ``../elsewhere`` or ``/abs/path`` is refused before anything is read."""
         names = {f.name for f in self.files()}
         if WEIGHT_INDEX in names:
-            index = self.read_json(WEIGHT_INDEX)
+            where = f"{self.id}/{WEIGHT_INDEX}"
+            index = self.read_json(WEIGHT_INDEX, unique_keys=True)
+            if not isinstance(index, dict):
+                raise BadCheckpoint(f"{where}: expected a JSON object, got a {type(index).__name__}")
             wm = index.get("weight_map")
             if not isinstance(wm, dict) or not wm:
-                raise BadCheckpoint(f"{self.id}/{WEIGHT_INDEX}: has no weight_map")
-            return {str(k): str(v) for k, v in wm.items()}
+                raise BadCheckpoint(f"{where}: has no weight_map")
+            for tensor, shard in wm.items():
+                if not isinstance(shard, str):
+                    raise BadCheckpoint(f"{where}: tensor {tensor!r} maps to {shard!r}, not a file name")
+                why = unsafe_name(shard)
+                if why:
+                    raise BadCheckpoint(f"{where}: tensor {tensor!r} maps to {shard!r}, which {why}: "
+                                        "the index may only name files inside the checkpoint")
+                if shard not in names:
+                    raise BadCheckpoint(f"{where}: tensor {tensor!r} maps to {shard!r}, which is not a file of "
+                                        "the checkpoint (missing shard?)")
+            return dict(wm)
         if SINGLE_FILE in names:
             return {t: SINGLE_FILE for t in self.header(SINGLE_FILE)}
         raise BadCheckpoint(f"{self.id}: no {WEIGHT_INDEX} and no {SINGLE_FILE}: not a safetensors checkpoint")

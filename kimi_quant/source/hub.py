@@ -34,6 +34,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..errors import BadCheckpoint, KimiQuantError
+from ..lock import DirLock
+from ..untrusted import unsafe_name
 from .base import FileEntry, Source
 from .safetensors import MAX_HEADER, TensorInfo, read_header
 
@@ -104,7 +106,9 @@ class HubSource(Source):
         self._files: dict[str, FileEntry] | None = None
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         self._hashed: set[str] = set()  # staged files hashed by this process (see _verified)
-        self._lock_fd: int | None = None  # the work dir's lock, once this run stages (see _claim_work_dir)
+        self._lock = DirLock(self.work_dir / META_DIR / "lock", lambda pid: HubError(
+            f"{self.work_dir} is staging shards for another kimi-quant run (pid {pid}); wait for it to end, "
+            "or give this run its own --work-dir"))  # taken once this run stages (see _claim_work_dir)
         # staging state, guarded by _cv
         self._cv = threading.Condition()
         self._plan: list[str] = []
@@ -205,6 +209,11 @@ class HubSource(Source):
                               "file listing")
             sibs = info.siblings or []
             names = [s.rfilename for s in sibs]
+            for n in names:  # before anything is written: huggingface_hub alone would guard only its own writes
+                why = unsafe_name(n)
+                if why:
+                    raise HubError(f"{self._label()}: the repo lists a file named {n!r}, which {why}: refusing "
+                                   "the repo (its files must stay inside the work dir)")
             entries: dict[str, FileEntry] = {}
             self._blob_ids: dict[str, str] = {}
             if sibs and all(s.size is not None for s in sibs):
@@ -246,13 +255,25 @@ class HubSource(Source):
         if local.exists() and local.stat().st_size == self._files[name].size and self._verified(name):
             return local.read_bytes()
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            path = self._call(lambda: hf_hub_download(self.repo_id, name, revision=self.revision,
-                                                      local_dir=self.work_dir, endpoint=self.endpoint,
-                                                      token=self.token), name)
-        except OSError as e:
-            raise self._os_error(e, name) from None
-        return Path(path).read_bytes()
+        want = self._expected_digest(name)
+        for round_ in (1, 2):
+            try:
+                path = Path(self._call(lambda: hf_hub_download(
+                    self.repo_id, name, revision=self.revision, local_dir=self.work_dir, endpoint=self.endpoint,
+                    token=self.token, force_download=round_ > 1), name))
+                data = path.read_bytes()
+            except OSError as e:
+                raise self._os_error(e, name) from None
+            # huggingface_hub checks an LFS file's sha256 but takes a small (git) file as it comes
+            if want is None or self._digest_bytes(data, name) == want:
+                if want is not None:
+                    self._mark(name)
+                return data
+            log.warning("hub: %s: content does not match the hub's id %s (round %d); downloading again",
+                        name, want, round_)
+        path.unlink(missing_ok=True)
+        raise HubError(f"{self._label(name)}: downloaded bytes do not match the hub's id twice (expected {want}): "
+                       "the hub copy or the connection is damaged")
 
     # -- headers -----------------------------------------------------------------------------
     def header(self, name: str) -> dict[str, TensorInfo]:
@@ -412,6 +433,11 @@ class HubSource(Source):
         h.update(b"blob %d\0" % ent.size)
         return h, "gitsha1:"
 
+    def _digest_bytes(self, data: bytes, name: str) -> str:
+        h, tag = self._new_hasher(name)
+        h.update(data)
+        return tag + h.hexdigest()
+
     def _digest_file(self, path: Path, name: str) -> str:
         h, tag = self._new_hasher(name)
         with open(path, "rb") as f:
@@ -554,23 +580,7 @@ class HubSource(Source):
         """One run stages into a work dir at a time: two would share partial downloads and delete
         shards the other still needs (the default work dir is per repo, so an a3 and a 950dt run of
         the same repo side by side would collide).  An advisory lock, released when the run ends."""
-        if self._lock_fd is not None:
-            return
-        import fcntl
-
-        lock = self.work_dir / META_DIR / "lock"
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise HubError(f"{self.work_dir} is staging shards for another kimi-quant run (pid {holder}); wait for "
-                           "it to end, or give this run its own --work-dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
+        self._lock.acquire()
 
     def prefetch(self, names: list[str]) -> None:
         self._claim_work_dir()
@@ -677,15 +687,35 @@ class HubSource(Source):
         for t in self._threads:
             t.join(timeout=30)
         self._threads = []
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the lock
-            self._lock_fd = None
+        self._lock.release()
+
+
+#: longest wait a server's Retry-After can impose before a retry (a longer ask is capped, with a message)
+MAX_RETRY_AFTER = 300.0
 
 
 def retry_after(response) -> float | None:
-    """Seconds from a Retry-After header, when a server sent one."""
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date), when a server sent one;
+    at most MAX_RETRY_AFTER (an absurd ask such as ``inf`` or ``1e11`` is capped, with a warning)."""
     try:
         v = response.headers.get("Retry-After")
-        return float(v) if v is not None else None
-    except (AttributeError, ValueError):
+    except AttributeError:
         return None
+    if v is None:
+        return None
+    try:
+        secs = float(v)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            secs = parsedate_to_datetime(v).timestamp() - time.time()
+        except (TypeError, ValueError, OverflowError):
+            return None
+    if secs != secs:  # NaN
+        return None
+    if secs > MAX_RETRY_AFTER:
+        log.warning("kimi-quant: the server asked to wait %s s before retrying (Retry-After: %s); waiting %.0f s",
+                    f"{secs:.3g}", str(v)[:40], MAX_RETRY_AFTER)
+        return MAX_RETRY_AFTER
+    return max(0.0, secs)

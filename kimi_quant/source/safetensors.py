@@ -17,6 +17,7 @@ import numpy as np
 
 from ..dtypes import STORAGE, nbytes
 from ..errors import BadCheckpoint
+from ..untrusted import DuplicateKey, unique_pairs
 
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
@@ -57,23 +58,27 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     except FileNotFoundError:
         raise BadCheckpoint(f"{path}: file not found") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+    except DuplicateKey as e:
+        raise BadCheckpoint(f"{path}: key {e.args[0]!r} appears twice in the header (a tensor named twice?)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise BadCheckpoint(f"{path}: header is not valid JSON (damaged or not a safetensors file)") from None
     if not isinstance(header, dict):
         raise BadCheckpoint(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise BadCheckpoint(f"{path}: __metadata__ must be an object of strings, got {str(metadata)[:80]}")
     base = 8 + hlen
     data_len = size - base
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         try:
             dtype = entry["dtype"]
-            shape = tuple(int(s) for s in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = tuple(_int(s) for s in entry["shape"])
+            begin, end = (_int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise BadCheckpoint(f"{path}: tensor {name!r}: malformed header entry {entry!r}") from None
-        if dtype not in STORAGE:
+            raise BadCheckpoint(f"{path}: tensor {name!r}: malformed header entry {str(entry)[:200]}") from None
+        if not isinstance(dtype, str) or dtype not in STORAGE:
             raise BadCheckpoint(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
         if any(s < 0 for s in shape) or begin < 0 or end < begin:
             raise BadCheckpoint(f"{path}: tensor {name!r}: negative shape or offsets")
@@ -89,7 +94,14 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     for (s0, e0, n0), (s1, e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise BadCheckpoint(f"{path}: tensors {n0!r} and {n1!r} overlap in the file")
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    return tensors, dict(metadata)
+
+
+def _int(x) -> int:
+    """A JSON integer (2.5, "6", true are not shapes or offsets)."""
+    if type(x) is not int:
+        raise TypeError(x)
+    return x
 
 
 class SafetensorsReader:

@@ -15,7 +15,8 @@ that huggingface_hub 2.x uses with ``HF_HUB_DISABLE_XET=1``:
     GET|HEAD /{repo}/resolve/{rev}/{path}           file bytes, honouring Range
 
 State lives on disk under ``root`` (objects by sha256, commits as JSON). ``inject(route, kind, times)``
-arms faults: ``drop`` (close the connection mid-body), ``500``, ``429`` (with Retry-After) for routes
+arms faults: ``drop`` (close the connection mid-body), ``500``, ``429`` (with Retry-After: ``retry_after``),
+``corrupt`` (resolve: one byte of the file flipped, as a damaged transfer would) for routes
 ``create``, ``info``, ``preupload``, ``batch``, ``put``, ``verify``, ``commit``, ``paths``, ``resolve``.
 ``requests`` records (method, route, path) of every request for assertions.
 """
@@ -58,6 +59,7 @@ class FakeHub:
         self.faults: dict[str, list[str]] = {}
         self.requests: list[tuple[str, str, str]] = []
         self.ignore_range = False
+        self.retry_after = "1"  # the Retry-After value a 429 fault sends
         hub = self
 
         class Handler(_Handler):
@@ -240,10 +242,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, f"no route {self.command} {path}")
         with hub.lock:
             hub.requests.append((self.command, route, path))
-        fault = hub.take_fault(route)
+        if route == "resolve" and self.command == "HEAD" and (hub.faults.get(route) or [None])[0] == "corrupt":
+            fault = None  # a corruption is for the bytes of the GET that follows
+        else:
+            fault = hub.take_fault(route)
         if fault == "429":
             self._body()
-            return self._send(429, {"error": "rate limited"}, {"Retry-After": "1"})
+            return self._send(429, {"error": "rate limited"}, {"Retry-After": hub.retry_after})
         if fault == "500":
             self._body()
             return self._error(500, "injected server error")
@@ -464,6 +469,8 @@ class _Handler(BaseHTTPRequestHandler):
                 end = min(end, len(data) - 1)
                 status, body = 206, data[start:end + 1]
                 headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
+        if fault == "corrupt" and self.command == "GET":  # the right length, one byte flipped in transit
+            body = bytes([body[0] ^ 0xFF]) + body[1:] if body else body
         if fault == "drop" and self.command == "GET":  # send the headers and half the bytes, then hang up
             self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
