@@ -146,6 +146,60 @@ def _open(source, revision, work_dir=None):
     return open_source(source, revision=revision, work_dir=work_dir)
 
 
+def _calibrate_options(f):
+    from .calibrate.config import DEFAULT_MIN_EXPERT_TOKENS, DEFAULT_TEXT, DEFAULT_TOKENS
+
+    for deco in reversed([
+        click.option("--calibrate", is_flag=True,
+                     help="Activation-aware quantization (GPTQ): run the BF16 model layer by layer over calibration "
+                          "text and quantize each Linear against its input Hessian. Same output format."),
+        click.option("--calibration", metavar="FILE|NAME", default=None,
+                     help=f"With --calibrate: jsonl ('text' field), txt or parquet file, or builtin:train / "
+                          f"builtin:heldout [default: {DEFAULT_TEXT}]."),
+        click.option("--calib-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+                     help=f"With --calibrate: tokens of calibration text [default: {DEFAULT_TOKENS}]."),
+        click.option("--act-order/--no-act-order", "act_order", default=None,
+                     help="With --calibrate: GPTQ columns in order of decreasing Hessian diagonal [default: the "
+                          "codecs' measured default]."),
+        click.option("--damp", type=click.FloatRange(min=0, max=1, min_open=True), default=None, metavar="FRAC",
+                     help="With --calibrate: GPTQ dampening, a fraction of the mean Hessian diagonal added to it "
+                          "[default: the codecs' measured default]."),
+        click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True,
+                     help="With --calibrate: where GPTQ runs (cuda / npu where torch has them)."),
+        click.option("--min-expert-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+                     help=f"With --calibrate: a routed expert that saw fewer tokens keeps the data-free rule "
+                          f"[default: {DEFAULT_MIN_EXPERT_TOKENS}]; the run says how many did."),
+    ]):
+        f = deco(f)
+    return f
+
+
+def _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens):
+    """A CalibConfig for --calibrate (None without it; calibration options without it are refused)."""
+    from .calibrate import CalibConfig
+
+    given = [n for n, v in (("--calibration", calibration), ("--calib-tokens", calib_tokens),
+                            ("--act-order/--no-act-order", act_order), ("--damp", damp),
+                            ("--min-expert-tokens", min_expert_tokens)) if v is not None]
+    if device != "cpu":
+        given.append("--device")
+    if not calibrate:
+        if given:
+            raise KimiQuantError(f"{given[0]} applies only with --calibrate")
+        return None
+    if device != "cpu":
+        import torch
+
+        available = {"cuda": torch.cuda.is_available(),
+                     "npu": bool(getattr(torch, "npu", None) and torch.npu.is_available())}
+        if not available[device]:
+            raise KimiQuantError(f"--device {device}: torch sees no {device} device here; use --device cpu")
+    base = CalibConfig()
+    return CalibConfig(calibration=calibration or base.calibration, tokens=calib_tokens or base.tokens,
+                       act_order=act_order, damp=damp, device=device,
+                       min_expert_tokens=min_expert_tokens or base.min_expert_tokens)
+
+
 # -- plan ---------------------------------------------------------------------------------------
 @main.command(short_help="Dry run from headers only: schemes, sizes, shards, memory.")
 @_plan_options
@@ -219,12 +273,20 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
                    "itself (~0.55 core-s per GB). Without it the provenance has the sha256 only where a hub "
                    "vouched for it: hub sources, huggingface_hub's cache and --local-dir downloads.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
+@_calibrate_options
 def convert(source, target, recipe, overrides, max_shard_size, revision, output, workers, executor, ray_address,
-            overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs, quiet):
+            overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs, quiet,
+            calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None, device="cpu",
+            min_expert_tokens=None):
     """Convert SOURCE (a local directory or a hub repo id) for a device family.
 
     Re-running the same command after an interruption resumes: completed output shards are
     verified and kept, the rest is redone.
+
+    With --calibrate, each quantized Linear is quantized with GPTQ against the Hessian of its inputs,
+    collected by running the BF16 model layer by layer over calibration text (routed experts from the
+    tokens routed to them); the output format is the same. It runs layer by layer in this process
+    (resumable per layer) and needs the source's tokenizer.
     """
     from .convert import ConvertOptions, convert as run_convert
     from .targets import resolve_target
@@ -245,7 +307,9 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
                           max_shard_size=max_shard_size, workers=workers, executor=executor,
                           executor_options={"address": ray_address} if ray_address else {},
                           overwrite=overwrite, quiet=quiet, revision=revision, source_options=source_options,
-                          hash_inputs=hash_inputs)
+                          hash_inputs=hash_inputs,
+                          calibrate=_calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
+                                                  min_expert_tokens))
     res = run_convert(source, opts)
     p = res.plan
     if not quiet:
@@ -257,6 +321,10 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
         else:
             click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {res.reused_units} shards verified and kept")
         click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {len(p.units)} shards; tensors: {counts}")
+        if res.calibration is not None:
+            from .calibrate.run import describe
+
+            click.echo(f"calibration: {describe(res.calibration)}")
         if res.peak_staged_bytes is not None:
             click.echo(f"peak staging disk {_gb(res.peak_staged_bytes)}")
         click.echo(f"output: {res.out_dir}")

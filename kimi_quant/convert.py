@@ -14,6 +14,7 @@ from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import KimiQuantError
 from .executor import make_executor
@@ -31,6 +32,9 @@ from .untrusted import inside
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from .calibrate import CalibConfig
+
 
 @dataclass
 class ConvertOptions:
@@ -47,6 +51,7 @@ class ConvertOptions:
     revision: str | None = None
     source_options: dict = field(default_factory=dict)
     hash_inputs: bool = False  # sha256 local source shards no hub vouched for (~0.55 core-s per GB, as much as converting)
+    calibrate: "CalibConfig | None" = None  # GPTQ with Hessians from a layer-streamed forward (kimi_quant.calibrate)
 
 
 @dataclass
@@ -58,6 +63,7 @@ class ConvertResult:
     reused_units: int
     in_bytes_done: int
     peak_staged_bytes: int | None = None
+    calibration: dict | None = None  # calibrated runs: settings, text, tokens and fallback counts
 
     @property
     def gbps(self) -> float:
@@ -148,8 +154,11 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
     executor = source = lock = None
     ok = False
+    if opts.calibrate is not None and opts.executor != "local":
+        raise KimiQuantError("--calibrate runs on the local executor only (its layers are sequential: each needs "
+                             "the previous one's output); drop --executor ray")
     try:
-        if opts.executor == "local":  # workers start now and load the kernels while the driver plans
+        if opts.executor == "local" and opts.calibrate is None:  # workers load the kernels while the driver plans
             executor = make_executor("local", opts.workers, None)
             executor.start()  # held before it starts: a Ctrl-C meanwhile still reaches shutdown below
         source = open_source(source_spec, revision=opts.revision, **opts.source_options)
@@ -161,6 +170,14 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()  # two runs into one directory would mix their shards (released in finally)
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
+        if opts.calibrate is not None:
+            from .calibrate.run import calibrated_plan, run_calibrated
+
+            plan, windows = calibrated_plan(source, plan, opts.calibrate, quiet=opts.quiet)
+            journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"])
+            result = run_calibrated(source, plan, windows, out_dir, journal, opts, t0)
+            ok = True
+            return result
         journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"])
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
@@ -222,8 +239,19 @@ def _refuse_overlap(source_dir: Path | None, out_dir: Path, what: str) -> None:
         raise KimiQuantError(f"--output {out_dir} {how} {what} {src}: choose an output directory outside it")
 
 
-def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,
-         executor) -> ConvertResult:
+@dataclass
+class _Resume:
+    """What a run starts from: the source shards, what each unit is made from, the units still to do."""
+
+    entries: dict
+    made_from: dict[str, dict[str, str]]
+    done: dict[str, dict]
+    todo: list
+    unhashed: set[str]
+    claimed: dict[str, str]  # local files whose sha256 only a huggingface_hub record claims
+
+
+def _resume(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions) -> _Resume:
     entries = {f.name: f for f in source.files() if f.name in plan.inputs}
     made_from = {u.file: {f: entries[f].identity for f in u.needs} for u in plan.units}
     done = journal.verified_units(out_dir, made_from, quiet=opts.quiet)
@@ -243,6 +271,39 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     unhashed = {f for f in plan.inputs if f not in journal.inputs or journal.input_stamps.get(f) != entries[f].stamp}
     if not opts.hash_inputs:
         unhashed = set()
+    return _Resume(entries, made_from, done, todo, unhashed, claimed)
+
+
+def _finish(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, r: _Resume,
+            extra_provenance: dict | None = None) -> None:
+    """Hash what is left to hash, then write provenance, config, index and description and mark the journal complete."""
+    entries, unhashed, claimed = r.entries, r.unhashed, r.claimed
+    late = sorted(unhashed)  # shards whose units were all done by an earlier run
+    for f, sha in zip(late, sha256_files([source.fetch(f) for f in late], desc="hash inputs", quiet=opts.quiet)):
+        _check_claim(source, f, sha, claimed)
+        journal.record_input(f, sha, entries[f].stamp)
+    # a hash stands only for the file as it is now (without --hash-inputs, shards no hub vouched for: null);
+    # a hash huggingface_hub's cache only claims is kept apart, as unverified
+    inputs = {}
+    for f in sorted(plan.inputs):
+        sha = journal.inputs.get(f) if journal.input_stamps.get(f) == entries[f].stamp else None
+        inputs[f] = {"size": plan.inputs[f], "sha256": sha}
+        if sha is None and f in claimed:
+            inputs[f]["sha256_claimed_unverified"] = claimed[f]
+    units = {u.file: {k: journal.units[u.file][k] for k in ("size", "sha256")} for u in plan.units}
+    prov = provenance(plan, inputs, dict(sorted(units.items())))
+    prov.update(extra_provenance or {})
+    _carry_validation(out_dir, prov)
+    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, *files_to_copy(source)]
+    journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
+    write_metadata_files(out_dir, plan, source, prov)
+    journal.mark_complete([n for n in around if n != PROVENANCE])
+
+
+def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,
+         executor) -> ConvertResult:
+    r = _resume(source, plan, out_dir, journal, opts)
+    entries, made_from, done, todo, unhashed, claimed = r.entries, r.made_from, r.done, r.todo, r.unhashed, r.claimed
 
     from tqdm import tqdm
 
@@ -291,24 +352,6 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                         source.release(f)
     finally:
         bar.close()
-    late = sorted(unhashed)  # shards whose units were all done by an earlier run
-    for f, sha in zip(late, sha256_files([source.fetch(f) for f in late], desc="hash inputs", quiet=opts.quiet)):
-        _check_claim(source, f, sha, claimed)
-        journal.record_input(f, sha, entries[f].stamp)
-    # a hash stands only for the file as it is now (without --hash-inputs, shards no hub vouched for: null);
-    # a hash huggingface_hub's cache only claims is kept apart, as unverified
-    inputs = {}
-    for f in sorted(plan.inputs):
-        sha = journal.inputs.get(f) if journal.input_stamps.get(f) == entries[f].stamp else None
-        inputs[f] = {"size": plan.inputs[f], "sha256": sha}
-        if sha is None and f in claimed:
-            inputs[f]["sha256_claimed_unverified"] = claimed[f]
-    units = {u.file: {k: journal.units[u.file][k] for k in ("size", "sha256")} for u in plan.units}
-    prov = provenance(plan, inputs, dict(sorted(units.items())))
-    _carry_validation(out_dir, prov)
-    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, *files_to_copy(source)]
-    journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
-    write_metadata_files(out_dir, plan, source, prov)
-    journal.mark_complete([n for n in around if n != PROVENANCE])
+    _finish(source, plan, out_dir, journal, opts, r)
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
                          sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))

@@ -119,6 +119,8 @@ class Plan:
         ident = {"revision": self.revision, "target": self.target, "inputs": self.inputs,
                  "max_shard_size": self.max_shard_size, "tool_version": self.tool_version,
                  "units": [u.to_json() for u in self.units]}
+        if self.extra:  # e.g. a calibrated conversion's text, tokens and GPTQ settings (absent: old fingerprints stand)
+            ident["extra"] = self.extra
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
     def description(self) -> dict:

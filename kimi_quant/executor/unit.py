@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..dtypes import nonfinite
+from ..dtypes import nonfinite, to_f32
 from ..errors import BadCheckpoint
 from ..hashing import sha256_file
 from ..plan import UnitPlan
@@ -56,28 +56,7 @@ def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
         for t in unit.tensors:
             if t.file not in readers:
                 readers[t.file] = SafetensorsReader(paths[t.file])
-            reader = readers[t.file]
-            where = f"{reader.path}: tensor {t.name!r}"
-            info = reader.info(t.name)
-            if info.dtype != t.dtype or list(info.shape) != list(t.shape):
-                raise BadCheckpoint(f"{where}: is {info.dtype}{list(info.shape)} but the plan expected "
-                                    f"{t.dtype}{list(t.shape)} (source changed since planning?)")
-            if t.scheme == FLOAT:
-                _copy_float(writer, reader, t, where)
-            else:
-                w = reader.array(t.name)
-                try:
-                    if t.dtype == "BF16":
-                        out = get_codec(t.scheme).quantize_bf16(w, t.matmul)
-                    else:
-                        out = get_codec(t.scheme).quantize(w.astype(np.float32), t.matmul)
-                except ValueError as e:  # codecs refuse NaN / Inf
-                    raise BadCheckpoint(f"{where}: {e}") from None
-                check_codec_outputs(t.scheme, t.outputs, out.values(), where)
-                for (name, _, _), arr in zip(t.outputs, out.values()):
-                    writer.write(name, arr)
-                del out, w
-            reader.release(t.name)
+            write_tensor(writer, readers[t.file], t)
             if progress:
                 progress(t.in_bytes)
         size, sha = writer.commit()
@@ -88,6 +67,38 @@ def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
         for r in readers.values():
             r.close()
     return {"file": unit.file, "size": size, "sha256": sha, "inputs": {f: sha256_file(paths[f]) for f in hash_inputs}}
+
+
+def write_tensor(writer: ShardWriter, reader: SafetensorsReader, t, quantize=None) -> dict[str, np.ndarray] | None:
+    """Write source tensor ``t`` (a TensorPlan) into ``writer``: FLOAT bytes streamed through, or its
+    codec's output. ``quantize(codec, w_f32, matmul)``, when given, replaces the data-free rule (the
+    calibrated path passes GPTQ here). Returns the quantized outputs (None for FLOAT)."""
+    where = f"{reader.path}: tensor {t.name!r}"
+    info = reader.info(t.name)
+    if info.dtype != t.dtype or list(info.shape) != list(t.shape):
+        raise BadCheckpoint(f"{where}: is {info.dtype}{list(info.shape)} but the plan expected "
+                            f"{t.dtype}{list(t.shape)} (source changed since planning?)")
+    out = None
+    if t.scheme == FLOAT:
+        _copy_float(writer, reader, t, where)
+    else:
+        w = reader.array(t.name)
+        codec = get_codec(t.scheme)
+        try:
+            if quantize is not None:
+                out = quantize(codec, to_f32(w, t.dtype), t.matmul)
+            elif t.dtype == "BF16":
+                out = codec.quantize_bf16(w, t.matmul)
+            else:
+                out = codec.quantize(w.astype(np.float32), t.matmul)
+        except ValueError as e:  # codecs refuse NaN / Inf
+            raise BadCheckpoint(f"{where}: {e}") from None
+        check_codec_outputs(t.scheme, t.outputs, out.values(), where)
+        for (name, _, _), arr in zip(t.outputs, out.values()):
+            writer.write(name, arr)
+        del w
+    reader.release(t.name)
+    return out
 
 
 def _copy_float(writer: ShardWriter, reader: SafetensorsReader, t, where: str) -> None:

@@ -14,11 +14,18 @@ W8A8_DYNAMIC / W4A8_DYNAMIC) or ``"mxfp8"`` (E4M3 elements with an E8M0 scale pe
 shared exponent = floor(log2(amax)) - 8, used by W8A8_MXFP8 / W4A8_MXFP).
 
 Everything is differentiable (the tiny fixture is trained with it). Tensors are ``[B, T, ...]``.
+
+Calibration uses this same forward: inside ``observe_linear_inputs(fn)`` every Linear calls
+``fn(name, x)`` with its input (before any activation quantizer), which is how ``convert --calibrate``
+collects each Linear's input Hessian without a second model implementation.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +35,25 @@ from ..errors import KimiQuantError
 from ..model.spec import TextConfig
 
 Weights = dict[str, torch.Tensor]
+
+_LINEAR_OBSERVER: ContextVar[Callable[[str, torch.Tensor], None] | None] = ContextVar("linear_observer", default=None)
+
+
+@contextmanager
+def observe_linear_inputs(fn: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Within: ``fn(name, x)`` for the input ``x`` ([..., K], before activation quantization) of every
+    Linear applied, ``name`` as in the weight dict (relative to the layer, or to the text prefix)."""
+    token = _LINEAR_OBSERVER.set(fn)
+    try:
+        yield
+    finally:
+        _LINEAR_OBSERVER.reset(token)
+
+
+def _observe(name: str | None, x: torch.Tensor) -> None:
+    fn = _LINEAR_OBSERVER.get()
+    if fn is not None and name is not None:
+        fn(name, x)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,6 +155,7 @@ class _Lin:
         self.act = act or {}
 
     def __call__(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        _observe(name, x)
         mode = self.act.get(name)
         if mode:
             x = ACT_QUANT[mode](x)
@@ -416,8 +443,9 @@ def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Te
     return idx, wts * cfg.routed_scaling_factor
 
 
-def _linear(x: torch.Tensor, wt: torch.Tensor, mode: str | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, wt: torch.Tensor, mode: str | None, name: str | None = None) -> torch.Tensor:
     """``x @ wt.T`` with the activation quantizer ``mode`` (or none) applied to x first (as _Lin)."""
+    _observe(name, x)
     if mode:
         x = ACT_QUANT[mode](x)
     return x @ wt.t()
@@ -454,12 +482,16 @@ def _moe_out(cfg, w, lin, M, y, xf, latent, act):
     return y
 
 
-def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None) -> list[torch.Tensor]:
+def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None,
+             experts: Collection[int] | None = None) -> list[torch.Tensor]:
     """Latent MoE on several token batches, expert-major: each routed expert's w1/w3/w2 is read from
     ``w`` once (``w`` may be a lazy mapping that loads it on access), only if the router sends it
     tokens in some batch, applied to every batch, then dropped. Per batch the arithmetic is exactly
     that of a batch-at-a-time loop (same shapes, experts accumulated in ascending order), so results
-    do not depend on how many batches are passed together."""
+    do not depend on how many batches are passed together.
+
+    ``experts``: only these routed experts run (calibration gathers expert statistics a batch of
+    experts at a time to bound memory; the outputs are then partial and not for use)."""
     lin = _Lin(w, act)
     act = act or {}
     M = "block_sparse_moe."
@@ -476,6 +508,8 @@ def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None) -> l
         ys.append(z.new_zeros(z.shape))
     used = torch.unique(torch.cat([idx.reshape(-1) for idx, _ in routes])) if routes else torch.empty(0)
     for e in used.tolist():
+        if experts is not None and e not in experts:
+            continue
         E = f"{M}experts.{e}."
         W1, W3, W2 = w[E + "w1.weight"], w[E + "w3.weight"], w[E + "w2.weight"]
         m1, m3, m2 = act.get(E + "w1.weight"), act.get(E + "w3.weight"), act.get(E + "w2.weight")
@@ -484,8 +518,8 @@ def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None) -> l
             if tok.numel() == 0:
                 continue
             ze = z[tok]
-            he = _glu(cfg, _linear(ze, W1, m1), _linear(ze, W3, m3))
-            ys[b] = ys[b].index_add(0, tok, _linear(he, W2, m2) * wts[tok, slot].unsqueeze(-1))
+            he = _glu(cfg, _linear(ze, W1, m1, E + "w1.weight"), _linear(ze, W3, m3, E + "w3.weight"))
+            ys[b] = ys[b].index_add(0, tok, _linear(he, W2, m2, E + "w2.weight") * wts[tok, slot].unsqueeze(-1))
         del W1, W3, W2
     return [_moe_out(cfg, w, lin, M, y, xf, latent, act).reshape(shape)
             for y, xf, shape in zip(ys, xfs, shapes)]
@@ -529,7 +563,18 @@ def layers_forward(cfg: TextConfig, i: int, w: Weights, states: list[State], act
     """``layer_forward`` on several token batches at once (bit-identical per batch). The MoE runs
     expert-major over all batches (:func:`moe_many`), so with a lazy weight mapping each routed expert
     is loaded once per layer and only one expert's weights are materialized at a time."""
-    parts = [_layer_attn(cfg, i, w, st, act, kda_impl, chunk_size) for st in states]
+    return layers_mlp(cfg, i, w, layers_attention(cfg, i, w, states, act, kda_impl, chunk_size), act)
+
+
+def layers_attention(cfg: TextConfig, i: int, w: Weights, states: list[State], act: dict[str, str] | None = None,
+                     kda_impl: str = "chunked", chunk_size: int = 64) -> list[tuple]:
+    """First half of ``layers_forward``: per batch (residual, blocks, normalized MLP input)."""
+    return [_layer_attn(cfg, i, w, st, act, kda_impl, chunk_size) for st in states]
+
+
+def layers_mlp(cfg: TextConfig, i: int, w: Weights, parts: list[tuple], act: dict[str, str] | None = None) \
+        -> list[State]:
+    """Second half of ``layers_forward``: the MLP (dense or MoE) on ``layers_attention``'s output."""
     if cfg.is_dense(i):
         ms = [dense_mlp(cfg, w, h2n, "mlp.", act) for _, _, h2n in parts]
     else:

@@ -1,0 +1,43 @@
+"""The settings of a calibrated conversion (what ``convert --calibrate`` options fill in)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DEFAULT_TEXT = "builtin:train"
+DEFAULT_TOKENS = 8192
+DEFAULT_SEQ_LEN = 512
+#: a routed expert that saw fewer tokens than this keeps the data-free rule: a Hessian from a handful
+#: of tokens has rank < K and GPTQ would fit those tokens instead of the expert's real inputs
+DEFAULT_MIN_EXPERT_TOKENS = 32
+#: routed experts whose Hessians are held at once (K3.1 Pro: 32 x (3584^2 + 3072^2) x 8 B = 5.7 GB)
+DEFAULT_EXPERT_BATCH = 32
+#: fewer calibration tokens than this cannot calibrate anything: refused
+MIN_TOKENS = 64
+PROPAGATE = ("quantized", "bf16")
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    """``calibration``: a file or shipped set (see :func:`kimi_quant.validate.calibration.load_texts`);
+    ``tokens``: how many tokens of it; ``act_order`` / ``damp`` / ``device``: GPTQ settings (None:
+    the GPTQ defaults); ``propagate``: the state carried to the next layer comes from the layer as
+    quantized (``quantized``, GPTQ's sequential rule) or from the BF16 layer (``bf16``)."""
+
+    calibration: str = DEFAULT_TEXT
+    tokens: int = DEFAULT_TOKENS
+    seq_len: int = DEFAULT_SEQ_LEN
+    act_order: bool | None = None
+    damp: float | None = None
+    device: str = "cpu"
+    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
+    expert_batch: int = DEFAULT_EXPERT_BATCH
+    propagate: str = "quantized"
+
+    def describe(self) -> dict:
+        """What identifies the calibration (in the plan fingerprint and the provenance); ``device``
+        and ``expert_batch`` are left out: they change where and how fast, not the bytes."""
+        d = asdict(self)
+        d.pop("device")
+        d.pop("expert_batch")
+        return d

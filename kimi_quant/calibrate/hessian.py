@@ -1,0 +1,75 @@
+"""Input Hessians of Linears, from the forward's ``observe_linear_inputs`` hook.
+
+For a Linear ``y = x W^T`` with inputs x_1..x_n (the calibration tokens that reach it), GPTQ needs
+``H = (1/n) sum_t x_t x_t^T`` ([K, K], float64). Linears fed the same tensor (q/k/v of one
+attention, w1/w3 of one expert) share one accumulator: the product is formed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+
+class HessianCollector:
+    """Call it as the forward's observer. Only names in ``want`` are accumulated (others pass by):
+    callers narrow it to the Linears being quantized next, which bounds memory."""
+
+    RECENT = 8  # inputs remembered for sharing (q/k/v and w1/w3 arrive back to back)
+
+    def __init__(self):
+        self._want: set[str] = set()
+        self._key: dict[str, int] = {}  # name -> accumulator id
+        self._sum: dict[int, torch.Tensor] = {}
+        self._n: dict[int, int] = {}
+        self._recent: list[tuple[torch.Tensor, int]] = []
+        self._next = 0
+
+    def want(self, names: Iterable[str]) -> None:
+        self._want.update(names)
+
+    def __call__(self, name: str, x: torch.Tensor) -> None:
+        if name not in self._want:
+            return
+        shared = next((k for r, k in self._recent if r is x), None)
+        if shared is not None and self._key.get(name, shared) == shared:
+            self._key[name] = shared  # same input object as a Linear seen just before: same H
+            return
+        key = self._key.get(name)
+        xf = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+        if key is None:
+            key = self._key[name] = self._next
+            self._next += 1
+            self._sum[key] = torch.zeros(xf.shape[1], xf.shape[1], dtype=torch.float64)
+            self._n[key] = 0
+        self._sum[key] += xf.t() @ xf
+        self._n[key] += xf.shape[0]
+        self._recent = (self._recent + [(x, key)])[-self.RECENT:]
+
+    def tokens(self, name: str) -> int:
+        """How many token rows reached ``name`` (0: it was never applied)."""
+        key = self._key.get(name)
+        return 0 if key is None else self._n[key]
+
+    def hessian(self, name: str) -> np.ndarray | None:
+        """``(1/n) sum x x^T`` as float64 [K, K], or None when no token reached ``name``."""
+        key = self._key.get(name)
+        if key is None or self._n[key] == 0:
+            return None
+        return (self._sum[key] / self._n[key]).numpy()
+
+    def drop(self, names: Iterable[str]) -> None:
+        """Forget ``names`` (their H is used); an accumulator goes when no name refers to it."""
+        for n in names:
+            self._want.discard(n)
+            self._key.pop(n, None)
+        live = set(self._key.values())
+        for k in [k for k in self._sum if k not in live]:
+            del self._sum[k], self._n[k]
+        self._recent = [(r, k) for r, k in self._recent if k in live]
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * 8 for t in self._sum.values())

@@ -1,0 +1,528 @@
+"""The calibrated conversion driver (``convert --calibrate``): layer by layer, journaled, resumable.
+
+Memory, at any moment (the bound ``plan --calibrate`` prints):
+
+    resident ~ one layer's non-expert weights (fp32)            [attention, shared experts, latent projections]
+             + the routed experts in use (one at a time, fp32)  [read from the source on demand]
+             + activations: T x H x 4 B x (2 + residual blocks) x 2 [the state (x, blocks) in and out, T tokens]
+               + T x k x (R + I) x 4 B                           [routed expert inputs during the MoE pass]
+             + Hessians of the Linears being quantized: attention side, or the MLP's non-routed Linears
+               plus one batch of experts: expert_batch x (R^2 + I^2) x 8 B
+             + one matrix's GPTQ working set (~ 3 x N x K x 4 B + K^2 x 8 B)
+
+K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, 32-expert batches): about 15 GB. Full Hessians of
+the whole model could never be held (7168^2 x 8 B x 896 experts x 93 layers is hundreds of TB): a
+layer's Hessians live only while that layer is quantized.
+
+Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
+in the output, removed when the run completes) with the journal vouching for that layer's shards;
+a re-run starts at the next layer and redoes a half-written one completely (its shards come out
+byte-identical: every step is deterministic on the same machine and thread count).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import KimiQuantError
+from ..layout.ascend_v1 import PROVENANCE
+from ..model.spec import load_model_spec_from_source
+from ..plan import Plan, TensorPlan, UnitPlan
+from ..quant import get_codec
+from ..recipe.recipe import FLOAT
+from ..source.safetensors import SafetensorsReader
+from ..validate import forward as fw
+from ..validate.weights import ACT_OF_TYPE, EMBED_NAMES, HEAD_NAMES, WeightLoader
+from ..write import ShardWriter, write_atomic
+from .config import MIN_TOKENS, CalibConfig
+from .hessian import HessianCollector
+from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
+
+STATE_FILE = "kimi_quant_calib_state.safetensors"
+
+
+# -- calibration text ------------------------------------------------------------------------------
+@contextmanager
+def _tokenizer_dir(source) -> Iterator[Path]:
+    """A directory holding the source's tokenizer files (the source itself when it is local)."""
+    root = getattr(source, "root", None)
+    if root is not None:
+        yield Path(root)
+        return
+    import tempfile
+
+    names = {f.name for f in source.files()}
+    with tempfile.TemporaryDirectory(prefix="kq-tok-") as d:
+        for name in ("tiktoken.model", "tokenizer_config.json"):
+            if name in names:
+                (Path(d) / name).write_bytes(source.read_bytes(name))
+        yield Path(d)
+
+
+def calibration_windows(source, cfg: CalibConfig, quiet: bool = True) -> tuple[list[torch.Tensor], dict]:
+    """The calibration token windows and what identifies them (name, tokens, sha256 of the token ids)."""
+    from ..validate.run import token_windows
+    from ..validate.tokenizer import TIKTOKEN_FILE
+
+    if cfg.tokens < MIN_TOKENS:
+        raise KimiQuantError(f"--calib-tokens {cfg.tokens} is too few: GPTQ needs at least {MIN_TOKENS} tokens "
+                             "(thousands for a useful Hessian)")
+    with _tokenizer_dir(source) as d:
+        if not (d / TIKTOKEN_FILE).is_file():
+            raise KimiQuantError(f"{source.id}: no {TIKTOKEN_FILE}: --calibrate tokenizes the calibration text with "
+                                 "the source's own tokenizer; add it to the source, or convert without --calibrate")
+        batches = token_windows(d, cfg.calibration, cfg.tokens, cfg.seq_len)
+    n = sum(b.numel() for b in batches)
+    if n < MIN_TOKENS:
+        raise KimiQuantError(f"calibration text {cfg.calibration} is too short: it gives {n} tokens, --calibrate "
+                             f"needs at least {MIN_TOKENS} (pass a longer --calibration file)")
+    if n < cfg.tokens and not quiet:
+        print(f"kimi-quant: note: calibration text {cfg.calibration} gives only {n} tokens, fewer than "
+              f"--calib-tokens {cfg.tokens}: calibrating on {n}", file=sys.stderr)
+    digest = hashlib.sha256(b"".join(b.to(torch.int64).numpy().tobytes() for b in batches)).hexdigest()
+    info = {"method": "GPTQ", **cfg.describe(), "tokens": n, "tokens_requested": cfg.tokens,
+            "windows": sum(b.shape[0] for b in batches), "token_sha256": digest}
+    return batches, info
+
+
+def calibrated_plan(source, plan: Plan, cfg: CalibConfig, quiet: bool = True) -> tuple[Plan, list[torch.Tensor]]:
+    spec = load_model_spec_from_source(source, recipe_given=True)
+    if spec.text is None:
+        raise KimiQuantError(f"{source.id}: --calibrate runs the Kimi K3-family forward; this model "
+                             f"({spec.config.get('model_type')!r}) is not one: convert it without --calibrate")
+    batches, info = calibration_windows(source, cfg, quiet)
+    return layered_plan(plan, spec, {"calibration": info}), batches
+
+
+# -- GPTQ through the codec --------------------------------------------------------------------------
+def _takes_hessian(codec) -> bool:
+    try:
+        return "hessian" in inspect.signature(codec.quantize).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def gptq_config(cfg: CalibConfig):
+    """The codecs' GPTQConfig with the user's settings (None where the codecs have no GPTQ)."""
+    try:
+        from ..quant.gptq import GPTQConfig
+    except ImportError:
+        return None
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(GPTQConfig)}
+    wanted = {"damp": cfg.damp, "act_order": cfg.act_order, "device": cfg.device}
+    aliases = {"damp": ("damp", "dampening", "percdamp", "damp_percent")}
+    kw = {}
+    for key, value in wanted.items():
+        if value is None:
+            continue
+        field = next((n for n in aliases.get(key, (key,)) if n in names), None)
+        if field is not None:
+            kw[field] = value
+    return GPTQConfig(**kw)
+
+
+class _Quantizer:
+    """Which rule each quantized Linear gets, and the counts the run reports."""
+
+    def __init__(self, cfg: CalibConfig):
+        self.cfg = cfg
+        self.gptq = gptq_config(cfg)
+        self.stats = {"gptq_tensors": 0, "data_free_tensors": 0, "routed_experts": 0, "fallback_experts": 0,
+                      "never_routed_experts": 0, "no_gptq_codecs": 0}
+
+    def rule(self, t: TensorPlan, hessian: np.ndarray | None):
+        """``quantize`` for ``write_tensor``: None = the data-free rule (bytes as an uncalibrated run)."""
+        if t.scheme == FLOAT:
+            return None
+        codec = get_codec(t.scheme)
+        if hessian is None:
+            self.stats["data_free_tensors"] += 1
+            return None
+        if not _takes_hessian(codec):
+            self.stats["no_gptq_codecs"] += 1
+            self.stats["data_free_tensors"] += 1
+            return None
+        self.stats["gptq_tensors"] += 1
+        gptq = self.gptq
+
+        def quantize(codec, w, matmul):
+            return codec.quantize(w, matmul, hessian=hessian, gptq=gptq)
+
+        return quantize
+
+
+# -- weights ------------------------------------------------------------------------------------------
+class _SourceWeights(WeightLoader):
+    """The validator's weight loader over any Source (a hub source stages the shards a layer needs)."""
+
+    def __init__(self, source, spec):
+        self.root = Path(getattr(source, "root", None) or ".")
+        self.spec = spec
+        self._source = source
+        self._readers = {}
+        self._expected = spec.expected_tensors(with_vision=False)
+        self.weight_map = source.weight_map()
+
+    def _reader(self, file: str) -> SafetensorsReader:
+        r = self._readers.get(file)
+        if r is None:
+            r = self._readers[file] = SafetensorsReader(self._source.fetch(file))
+        return r
+
+    def drop(self, file: str) -> None:
+        r = self._readers.pop(file, None)
+        if r is not None:
+            r.close()
+
+
+class _Overlay(Mapping):
+    """A layer's weights with some replaced (dequantized in memory) and some read back from the
+    output shards as written (routed experts: one at a time, never all resident)."""
+
+    def __init__(self, base: Mapping, replaced: dict[str, torch.Tensor], readback=None):
+        self._base, self._replaced, self._readback = base, replaced, readback
+
+    def __getitem__(self, rel):
+        t = self._replaced.get(rel)
+        if t is not None:
+            return t
+        if self._readback is not None:
+            t = self._readback(rel)
+            if t is not None:
+                return t
+        return self._base[rel]
+
+    def __contains__(self, rel):
+        return rel in self._base
+
+    def __iter__(self):
+        return iter(self._base)
+
+    def __len__(self):
+        return len(self._base)
+
+
+def _dequantized(t: TensorPlan, out: dict[str, np.ndarray]) -> torch.Tensor:
+    w = np.asarray(get_codec(t.scheme).dequantize(dict(out)), dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(w))
+
+
+class _Readback:
+    """Dequantize a quantized tensor from the committed output shards (what the device will load)."""
+
+    def __init__(self, out_dir: Path, units: list[UnitPlan], spec):
+        self._where = {relative_name(spec, t.name): (t, u.file) for u in units for t in u.tensors
+                       if t.scheme != FLOAT}
+        self._out_dir = out_dir
+        self._readers: dict[str, SafetensorsReader] = {}
+
+    def __call__(self, rel: str) -> torch.Tensor | None:
+        hit = self._where.get(rel)
+        if hit is None:
+            return None
+        t, file = hit
+        r = self._readers.get(file) or self._readers.setdefault(file, SafetensorsReader(self._out_dir / file))
+        base = t.name.removesuffix(".weight")
+        parts = {}
+        for name, _, _ in t.outputs:
+            parts[name[len(base) + 1:]] = np.array(r.array(name), copy=True)
+            r.release(name)
+        return _dequantized(t, parts)
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+
+
+# -- writing a layer's units --------------------------------------------------------------------------
+class _UnitWriter:
+    """Writes tensors, in plan order, into a run of units; commits and journals each as it fills."""
+
+    def __init__(self, out_dir: Path, units: list[UnitPlan], journal, made_from: dict, weights: _SourceWeights,
+                 progress):
+        self._out_dir, self._journal, self._made_from, self._weights = out_dir, journal, made_from, weights
+        self._queue = [(u, t) for u in units for t in u.tensors]
+        self._pos = 0
+        self._writer: ShardWriter | None = None
+        self._progress = progress
+
+    def next_tensor(self) -> TensorPlan | None:
+        return self._queue[self._pos][1] if self._pos < len(self._queue) else None
+
+    def remaining(self) -> list[TensorPlan]:
+        return [t for _, t in self._queue[self._pos:]]
+
+    def put(self, t: TensorPlan, quantize=None) -> dict[str, np.ndarray] | None:
+        from ..executor.unit import write_tensor
+
+        unit, expected = self._queue[self._pos]
+        if expected is not t:
+            raise RuntimeError(f"calibrated writer: expected {expected.name}, got {t.name}")
+        if self._writer is None:
+            entries = [(n, dt, tuple(s)) for tp in unit.tensors for n, dt, s in tp.outputs]
+            self._writer = ShardWriter(self._out_dir / unit.file, entries)
+        out = write_tensor(self._writer, self._weights._reader(t.file), t, quantize)
+        self._pos += 1
+        self._progress(t.in_bytes)
+        if self._pos == len(self._queue) or self._queue[self._pos][0] is not unit:
+            size, sha = self._writer.commit()
+            self._writer = None
+            self._journal.record_unit(unit.file, size, sha, self._made_from[unit.file])
+        return out
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+
+
+# -- the state checkpoint ------------------------------------------------------------------------------
+def _save_state(out_dir: Path, fingerprint: str, layer: int, states: list, stats: dict) -> None:
+    from safetensors.torch import save
+
+    tensors = {}
+    for b, st in enumerate(states):
+        tensors[f"x.{b}"] = st.x.contiguous()
+        for k, blk in enumerate(st.blocks):
+            tensors[f"blocks.{b}.{k}"] = blk.contiguous()
+    meta = {"fingerprint": fingerprint, "layer": str(layer), "batches": str(len(states)),
+            "stats": json.dumps(stats, sort_keys=True)}
+    write_atomic(out_dir / STATE_FILE, save(tensors, metadata=meta))
+
+
+def _load_state(out_dir: Path, fingerprint: str):
+    """(layer, states, stats) from a checkpoint of this very conversion, else None."""
+    from safetensors import safe_open
+
+    path = out_dir / STATE_FILE
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("fingerprint") != fingerprint:
+                return None
+            layer, nb = int(meta["layer"]), int(meta["batches"])
+            names = set(f.keys())
+            states = []
+            for b in range(nb):
+                blocks, k = [], 0
+                while f"blocks.{b}.{k}" in names:
+                    blocks.append(f.get_tensor(f"blocks.{b}.{k}"))
+                    k += 1
+                states.append(fw.State(f.get_tensor(f"x.{b}"), blocks))
+            return layer, states, json.loads(meta.get("stats", "{}"))
+    except Exception:  # noqa: BLE001 - a torn or foreign file: start over (it is only a shortcut)
+        return None
+
+
+# -- the driver --------------------------------------------------------------------------------------------
+def _chunks(items: list, n: int) -> list[list]:
+    return [items[k:k + n] for k in range(0, len(items), max(1, n))] or [[]]
+
+
+@torch.inference_mode()
+def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Path, journal, opts, t0: float):
+    from ..convert import ConvertResult, _finish, _resume
+    from tqdm import tqdm
+
+    cfg: CalibConfig = opts.calibrate
+    spec = load_model_spec_from_source(source, recipe_given=True)
+    tcfg = spec.text
+    n_layers = tcfg.num_hidden_layers
+    if opts.workers:
+        torch.set_num_threads(opts.workers)
+    r = _resume(source, plan, out_dir, journal, opts)
+    by_layer = units_by_layer(plan, spec)
+    info = dict(plan.extra["calibration"])
+    fingerprint = plan.fingerprint()
+    quant = _Quantizer(cfg)
+    layers_done = 0
+    total = sum(u.in_bytes for u in r.todo)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"calibrate {plan.target}",
+               disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
+    weights = _SourceWeights(source, spec)
+    try:
+        if r.todo:
+            resumed = _load_state(out_dir, fingerprint)
+            start, states = 0, None
+            if resumed is not None:
+                layer, saved, stats = resumed
+                if all(u.file in r.done for L in range(layer + 1) for u in by_layer.get(L, [])):
+                    start, states = layer + 1, saved
+                    quant.stats.update(stats)
+            if states is None:
+                gw, _ = weights.globals(EMBED_NAMES)
+                states = [fw.embed(gw, b) for b in windows]
+                del gw
+            source.prefetch(plan.source_order())
+            last_use = _last_use(plan, spec, n_layers)
+            for i in range(start, n_layers):
+                bar.set_postfix_str(f"layer {i}/{n_layers}", refresh=True)
+                writer = _UnitWriter(out_dir, by_layer.get(i, []), journal, r.made_from, weights, bar.update)
+                try:
+                    states = _layer(tcfg, i, weights, states, writer, quant, cfg, out_dir, by_layer.get(i, []), spec)
+                except BaseException:
+                    writer.abort()
+                    raise
+                _save_state(out_dir, fingerprint, i, states, quant.stats)
+                layers_done += 1
+                _release(source, weights, last_use, i)
+            writer = _UnitWriter(out_dir, by_layer.get(GLOBAL, []), journal, r.made_from, weights, bar.update)
+            try:
+                _globals(tcfg, weights, states, writer, quant, spec)
+            except BaseException:
+                writer.abort()
+                raise
+    finally:
+        bar.close()
+        weights.close()
+    if layers_done == 0 and not r.todo:
+        quant.stats = _previous_stats(out_dir) or quant.stats
+    info["stats"] = quant.stats
+    _finish(source, plan, out_dir, journal, opts, r, {"calibration": info})
+    (out_dir / STATE_FILE).unlink(missing_ok=True)
+    return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(r.todo), len(r.done),
+                         sum(u.in_bytes for u in r.todo), getattr(source, "peak_staged_bytes", None), info)
+
+
+def _previous_stats(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / PROVENANCE).read_text())["calibration"]["stats"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _last_use(plan: Plan, spec, n_layers: int) -> dict[str, int]:
+    last: dict[str, int] = {}
+    for t in plan.tensors():
+        layer = layer_of(spec, t.name)
+        last[t.file] = max(last.get(t.file, -1), n_layers if layer == GLOBAL else layer)
+    return last
+
+
+def _release(source, weights: _SourceWeights, last_use: dict[str, int], layer: int) -> None:
+    for f, last in last_use.items():
+        if last == layer:
+            weights.drop(f)
+            source.release(f)
+
+
+def _layer(tcfg, i: int, weights: _SourceWeights, states: list, writer: _UnitWriter, quant: _Quantizer,
+           cfg: CalibConfig, out_dir: Path, units: list[UnitPlan], spec) -> list:
+    """Quantize and write layer i; return the state after it."""
+    w_src, _ = weights.layer(i)
+    tensors = [t for u in units for t in u.tensors]
+    rel = {t.name: relative_name(spec, t.name) for t in tensors}
+    stage = {t.name: stage_of(spec, t.name) for t in tensors}
+    by_stage = {s: [t for t in tensors if stage[t.name][0] == s] for s in (ATTENTION, MLP, EXPERTS)}
+    quantized = lambda ts: [rel[t.name] for t in ts if t.scheme != FLOAT]  # noqa: E731
+    propagate = cfg.propagate == "quantized"
+    act = {rel[t.name]: ACT_OF_TYPE.get(t.scheme) for t in tensors if t.scheme != FLOAT and propagate}
+    act = {k: v for k, v in act.items() if v}
+    coll = HessianCollector()
+    deq: dict[str, torch.Tensor] = {}
+
+    def emit(ts: list[TensorPlan], min_tokens: int = 0) -> None:
+        for t in ts:
+            name = rel[t.name]
+            h = coll.hessian(name) if t.scheme != FLOAT else None
+            if h is not None and coll.tokens(name) < min_tokens:
+                h = None
+            out = writer.put(t, quant.rule(t, h))
+            if out is not None and propagate and stage[t.name][0] != EXPERTS:
+                deq[name] = _dequantized(t, out)
+        coll.drop(rel[t.name] for t in ts)
+
+    # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
+    coll.want(quantized(by_stage[ATTENTION]))
+    with fw.observe_linear_inputs(coll):
+        parts = fw.layers_attention(tcfg, i, w_src, states)
+    emit(by_stage[ATTENTION])
+    if propagate and deq:
+        parts = fw.layers_attention(tcfg, i, _Overlay(w_src, deq), states, act)
+    # 2. the MLP: non-routed Linears and the first batch of experts in one full pass, then the other batches
+    experts = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
+    batches = _chunks(experts, cfg.expert_batch)
+    expert_tensors = {e: [t for t in by_stage[EXPERTS] if stage[t.name][1] == e] for e in experts}
+    coll.want(quantized(by_stage[MLP]))
+    coll.want(n for e in batches[0] for n in quantized(expert_tensors[e]))
+    with fw.observe_linear_inputs(coll):
+        out_bf16 = fw.layers_mlp(tcfg, i, w_src, parts)
+    emit(by_stage[MLP])
+    h2ns = [h2n for _, _, h2n in parts]
+    for j, batch in enumerate(batches):
+        if j:
+            coll.want(n for e in batch for n in quantized(expert_tensors[e]))
+            with fw.observe_linear_inputs(coll):
+                fw.moe_many(tcfg, w_src, h2ns, experts=set(batch))
+        for e in batch:
+            ts = expert_tensors[e]
+            names = quantized(ts)
+            if names:
+                n = max(coll.tokens(x) for x in names)
+                quant.stats["routed_experts"] += 1
+                if n == 0:
+                    quant.stats["never_routed_experts"] += 1
+                elif n < cfg.min_expert_tokens:
+                    quant.stats["fallback_experts"] += 1
+            emit(ts, cfg.min_expert_tokens)
+    if writer.next_tensor() is not None:
+        raise RuntimeError(f"layer {i}: {writer.next_tensor().name} was never written")
+    if not propagate:
+        return out_bf16
+    # 3. the layer's output as the device will compute it: dequantized weights, activation fake-quant
+    readback = _Readback(out_dir, units, spec)
+    try:
+        return fw.layers_mlp(tcfg, i, _Overlay(w_src, deq, readback), parts, act)
+    finally:
+        readback.close()
+
+
+def _globals(tcfg, weights: _SourceWeights, states: list, writer: _UnitWriter, quant: _Quantizer, spec) -> None:
+    """Embedding, final norms, lm_head (GPTQ from the final state if it is quantized), vision: last."""
+    tensors = writer.remaining()
+    coll = HessianCollector()
+    wanted = [relative_name(spec, t.name) for t in tensors if t.scheme != FLOAT]
+    if wanted:
+        coll.want(wanted)
+        gw, gact = weights.globals(HEAD_NAMES)
+        with fw.observe_linear_inputs(coll):
+            for st in states:
+                fw.head(tcfg, gw, st)
+        del gw
+    for t in tensors:
+        h = coll.hessian(relative_name(spec, t.name)) if t.scheme != FLOAT else None
+        writer.put(t, quant.rule(t, h))
+
+
+def describe(info: dict | None) -> str:
+    """One line on what calibrated an output (for convert's summary, validate and the model card)."""
+    if not info:
+        return "not calibrated (data-free rules)"
+    s = info.get("stats") or {}
+    fallback = s.get("fallback_experts", 0) + s.get("never_routed_experts", 0)
+    line = (f"GPTQ on {info.get('tokens')} tokens of {info.get('calibration')} "
+            f"(act_order {info.get('act_order') if info.get('act_order') is not None else 'default'}, "
+            f"damp {info.get('damp') if info.get('damp') is not None else 'default'}); "
+            f"{s.get('gptq_tensors', 0)} tensors calibrated, {s.get('data_free_tensors', 0)} data-free")
+    if s.get("routed_experts"):
+        line += (f"; {fallback} of {s['routed_experts']} routed experts fell back to the data-free rule "
+                 f"({s.get('never_routed_experts', 0)} never routed, {s.get('fallback_experts', 0)} with fewer than "
+                 f"{info.get('min_expert_tokens')} tokens)")
+    if s.get("no_gptq_codecs"):
+        line += f"; {s['no_gptq_codecs']} tensors data-free because this build's codecs have no GPTQ"
+    return line
