@@ -207,13 +207,26 @@ def _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
               help="Worker processes the memory estimate assumes (default: cores).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full plan as JSON.")
 @click.option("--shards/--no-shards", "show_shards", default=True, help="List the output shard layout.")
-def plan(source, target, recipe, overrides, max_shard_size, revision, workers, json_path, show_shards):
-    """Dry run: what a conversion would do, from headers only (no tensor data is read)."""
+@_calibrate_options
+def plan(source, target, recipe, overrides, max_shard_size, revision, workers, json_path, show_shards,
+         calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None, device="cpu",
+         min_expert_tokens=None):
+    """Dry run: what a conversion would do, from headers only (no tensor data is read).
+
+    With --calibrate (and --calib-tokens), also the time and memory a calibrated conversion needs,
+    from GPTQ and matmul speeds measured here (a few seconds) and the model's shapes."""
     from .convert import build_plan
 
+    cal = _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens)
     src = _open(source, revision)
     try:
         p = build_plan(src, target, recipe, overrides, max_shard_size)
+        if cal is not None:
+            from .model.spec import load_model_spec_from_source
+
+            spec = load_model_spec_from_source(src, recipe_given=True)
+            if spec.text is None:
+                raise KimiQuantError("--calibrate runs the Kimi K3-family forward; this model is not one")
     finally:
         src.close()
     if json_path:  # first: an unwritable path fails before any of the plan is printed
@@ -241,6 +254,18 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
                f" + staging window for hub sources")
     click.echo(f"memory   ~{_gb(workers * (biggest + 64 * 1024**2) + 300 * 1024**2)} peak with {workers} workers"
                " (largest quantized tensor in + out per worker, plus fixed buffers)")
+    if cal is not None:
+        from .calibrate.estimate import estimate
+
+        e = estimate(p, spec, cal, workers)
+        click.echo(f"calibrate ~{e['hours']:.1f} h on {workers} cores ({e['core_hours']:.0f} core-h: forward "
+                   f"{e['forward_core_h']:.0f}, Hessians {e['hessian_core_h']:.0f}, GPTQ {e['gptq_core_h']:.0f}; "
+                   f"{cal.tokens} tokens; measured here: fp32 {e['fp32_gflops']:.0f} / fp64 {e['fp64_gflops']:.0f} "
+                   "GFLOP/s per core, GPTQ " + ", ".join(f"{k} {v:.2f} s" for k, v in e["gptq_probe_s"].items())
+                   + " per [256, 1024] matrix)")
+        click.echo(f"         memory ~{_gb(e['memory_bytes'])} peak (one layer's non-expert weights + experts in use + "
+                   f"activations of {cal.tokens} tokens + Hessians of {cal.expert_batch} experts + one GPTQ); "
+                   "shards are cut at layer boundaries")
     if show_shards:
         for u in p.units:
             needs = ", ".join(u.needs[:3]) + (f" (+{len(u.needs) - 3})" if len(u.needs) > 3 else "")
@@ -322,7 +347,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
             click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {res.reused_units} shards verified and kept")
         click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {len(p.units)} shards; tensors: {counts}")
         if res.calibration is not None:
-            from .calibrate.run import describe
+            from .calibrate.config import describe
 
             click.echo(f"calibration: {describe(res.calibration)}")
         if res.peak_staged_bytes is not None:

@@ -45,7 +45,7 @@ from ..source.safetensors import SafetensorsReader
 from ..validate import forward as fw
 from ..validate.weights import ACT_OF_TYPE, EMBED_NAMES, HEAD_NAMES, WeightLoader
 from ..write import ShardWriter, write_atomic
-from .config import MIN_TOKENS, CalibConfig
+from .config import MIN_TOKENS, CalibConfig, describe  # noqa: F401  (describe: for callers)
 from .hessian import HessianCollector
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
@@ -91,7 +91,9 @@ def calibration_windows(source, cfg: CalibConfig, quiet: bool = True) -> tuple[l
         print(f"kimi-quant: note: calibration text {cfg.calibration} gives only {n} tokens, fewer than "
               f"--calib-tokens {cfg.tokens}: calibrating on {n}", file=sys.stderr)
     digest = hashlib.sha256(b"".join(b.to(torch.int64).numpy().tobytes() for b in batches)).hexdigest()
-    info = {"method": "GPTQ", **cfg.describe(), "tokens": n, "tokens_requested": cfg.tokens,
+    g = gptq_config(cfg)  # record the settings in effect, defaults resolved
+    resolved = {"act_order": getattr(g, "act_order", cfg.act_order), "damp": getattr(g, "damp", cfg.damp)}
+    info = {"method": "GPTQ", **cfg.describe(), **resolved, "tokens": n, "tokens_requested": cfg.tokens,
             "windows": sum(b.shape[0] for b in batches), "token_sha256": digest}
     return batches, info
 
@@ -507,22 +509,3 @@ def _globals(tcfg, weights: _SourceWeights, states: list, writer: _UnitWriter, q
     for t in tensors:
         h = coll.hessian(relative_name(spec, t.name)) if t.scheme != FLOAT else None
         writer.put(t, quant.rule(t, h))
-
-
-def describe(info: dict | None) -> str:
-    """One line on what calibrated an output (for convert's summary, validate and the model card)."""
-    if not info:
-        return "not calibrated (data-free rules)"
-    s = info.get("stats") or {}
-    fallback = s.get("fallback_experts", 0) + s.get("never_routed_experts", 0)
-    line = (f"GPTQ on {info.get('tokens')} tokens of {info.get('calibration')} "
-            f"(act_order {info.get('act_order') if info.get('act_order') is not None else 'default'}, "
-            f"damp {info.get('damp') if info.get('damp') is not None else 'default'}); "
-            f"{s.get('gptq_tensors', 0)} tensors calibrated, {s.get('data_free_tensors', 0)} data-free")
-    if s.get("routed_experts"):
-        line += (f"; {fallback} of {s['routed_experts']} routed experts fell back to the data-free rule "
-                 f"({s.get('never_routed_experts', 0)} never routed, {s.get('fallback_experts', 0)} with fewer than "
-                 f"{info.get('min_expert_tokens')} tokens)")
-    if s.get("no_gptq_codecs"):
-        line += f"; {s['no_gptq_codecs']} tensors data-free because this build's codecs have no GPTQ"
-    return line

@@ -150,6 +150,9 @@ def model_card(output_dir: Path, repo_id: str, verify_summary: dict | None, has_
               (f" (source: {_fmt_bytes(in_bytes)} in {len(inputs)} shards)" if in_bytes else "") + " |"]
     if types:
         lines.append("| Tensors by type | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
+    from ..calibrate.config import describe
+
+    lines.append(f"| Calibration | {describe(prov.get('calibration'))} |")
     if verify_summary:
         lines.append(f"| Verified | {verify_summary.get('shards')} shards, {verify_summary.get('tensors')} tensors "
                      "checked against the conversion journal (sha256) |")

@@ -225,12 +225,24 @@ def run_validation(source_dir: str | Path, quant_dir: str | Path, calibration: s
         "source": str(source_dir),
         "quantized": str(quant_dir),
         "wall_s": round(time.time() - t0, 3),
+        "output_calibration": _output_calibration(quant_dir),
     }
     if json_path is not None:
         p = Path(json_path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _output_calibration(quant_dir: str | Path) -> dict | None:
+    """The calibration the output's provenance records (``convert --calibrate``), None for data-free."""
+    from ..layout.ascend_v1 import PROVENANCE
+
+    try:
+        cal = json.loads((Path(quant_dir) / PROVENANCE).read_text()).get("calibration")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cal if isinstance(cal, dict) else None
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -246,4 +258,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"perplexity BF16 {report['ppl_bf16']:.4f}   quantized {report['ppl_quant']:.4f}   "
                  f"ratio {report['ratio']:.4f}   ({report['tokens']} tokens scored, {report['windows']} windows "
                  f"of <= {report['seq_len']})")
+    if "output_calibration" in report:
+        from ..calibrate.config import describe
+
+        lines.append(f"output: {describe(report['output_calibration'])}")
     return "\n".join(lines)

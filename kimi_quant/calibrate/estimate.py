@@ -1,0 +1,135 @@
+"""``plan --calibrate``: time and memory of a calibrated conversion, from the plan and two measurements.
+
+Time = forward + Hessians + GPTQ, in core-seconds, divided by the cores:
+
+* forward: 2 FLOPs per active weight per token, times the passes the driver makes over a layer
+  (attention twice: observed, then re-run quantized; the MLP twice: observed and output, plus one
+  more over the routed experts when they are observed in several batches), at the fp32 matmul rate
+  measured here on one core;
+* Hessians: 2 K^2 FLOPs per token per Linear input (q/k/v and w1/w3 share theirs; a routed expert
+  only from its own tokens: k/E of them), at the fp64 rate measured here;
+* GPTQ: measured here on one [256, 1024] matrix per scheme, scaled by N K^2 + K^3 (the update and
+  the Cholesky terms) to each quantized matrix of the plan.
+
+Memory is the formula in :mod:`kimi_quant.calibrate.run`, evaluated for this model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from ..plan import Plan
+from ..recipe.recipe import FLOAT
+from .config import CalibConfig
+from .layered import EXPERTS, GLOBAL, layer_of, stage_of
+
+PROBE_N, PROBE_K = 256, 1024
+
+
+def _rate(dtype, n: int = 512) -> float:
+    """FLOP/s of one n^3 matmul on one thread (best of 3)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(n, n, dtype=dtype)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * n ** 3 / best
+
+
+def _gptq_seconds(scheme: str, matmul: str | None) -> float:
+    """One-core seconds of GPTQ on a [PROBE_N, PROBE_K] matrix in ``scheme``."""
+    import torch
+
+    from ..quant import get_codec
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((PROBE_N, PROBE_K)).astype(np.float32) * 0.02
+    x = rng.standard_normal((2 * PROBE_K, PROBE_K))
+    h = x.T @ x / len(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t = time.perf_counter()
+        get_codec(scheme).quantize(w, matmul, hessian=h)
+        return time.perf_counter() - t
+    finally:
+        torch.set_num_threads(threads)
+
+
+def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
+    """{hours, core_hours, forward_core_h, hessian_core_h, gptq_core_h, memory_bytes, ...} for ``plan``."""
+    t = spec.text
+    T = cfg.tokens
+    k, E = t.num_experts_per_token, t.num_experts
+    flops_fwd = 0.0  # per token, all passes
+    flops_h = 0.0  # per token
+    gptq_cost = defaultdict(float)  # scheme -> sum of N K^2 + K^3 (in probe units later)
+    probe = {}
+    per_layer_nonexpert = defaultdict(int)
+    expert_bytes = 0
+    seen_inputs = set()
+    for tp in plan.tensors():
+        if len(tp.shape) != 2:
+            continue
+        N, K = tp.shape
+        layer = layer_of(spec, tp.name)
+        stage, expert = stage_of(spec, tp.name)
+        role = spec.role(tp.name)
+        if not role.linear:
+            continue
+        share = k / E if stage == EXPERTS else 1.0
+        passes = 2.0 if layer == GLOBAL else (3.0 if stage == EXPERTS and E > cfg.expert_batch else 2.0)
+        flops_fwd += 2 * N * K * share * passes
+        if stage == EXPERTS:
+            expert_bytes = max(expert_bytes, N * K * 4 * 3)
+        elif layer != GLOBAL:
+            per_layer_nonexpert[layer] += N * K * 4
+        if tp.scheme != FLOAT:
+            # Linears fed the same input share one Hessian (q/k/v of a layer, w1/w3 of an expert)
+            key = (layer, expert, K, role.matmul in ("gate", "up") or role.role == "kda.qkv_proj")
+            if key not in seen_inputs or not key[3]:
+                seen_inputs.add(key)
+                flops_h += 2 * K * K * share
+            gptq_cost[(tp.scheme, tp.matmul)] += N * K * K + K ** 3
+            probe.setdefault((tp.scheme, tp.matmul), None)
+    fp32, fp64 = _rate(__import__("torch").float32), _rate(__import__("torch").float64)
+    gptq_s = 0.0
+    for key, cost in gptq_cost.items():
+        probe[key] = _gptq_seconds(*key)
+        gptq_s += probe[key] * cost / (PROBE_N * PROBE_K ** 2 + PROBE_K ** 3)
+    fwd_s = flops_fwd * T / fp32
+    hess_s = flops_h * T / fp64
+    core_s = fwd_s + hess_s + gptq_s
+    return {"hours": core_s / max(1, workers) / 3600, "core_hours": core_s / 3600, "workers": workers,
+            "forward_core_h": fwd_s / 3600, "hessian_core_h": hess_s / 3600, "gptq_core_h": gptq_s / 3600,
+            "fp32_gflops": fp32 / 1e9, "fp64_gflops": fp64 / 1e9,
+            "gptq_probe_s": {f"{s}/{m}": v for (s, m), v in probe.items()},
+            "memory_bytes": memory_bytes(spec, cfg, max(per_layer_nonexpert.values(), default=0), expert_bytes)}
+
+
+def memory_bytes(spec, cfg: CalibConfig, layer_nonexpert_f32: int, expert_f32: int) -> int:
+    """The resident-memory formula of :mod:`kimi_quant.calibrate.run` for this model."""
+    t = spec.text
+    T, H = cfg.tokens, t.hidden_size
+    R, I, k = t.latent_size, t.moe_intermediate_size, t.num_experts_per_token
+    blocks = -(-t.num_hidden_layers // t.attn_res_block_size) if t.attn_res_block_size else 0
+    states = T * H * 4 * (2 + blocks) * 2
+    routed = T * k * (R + I) * 4
+    windows = max(1, T // cfg.seq_len)
+    heads = max(t.num_attention_heads, t.kda_num_heads)
+    attention = windows * heads * cfg.seq_len ** 2 * 4 * 2
+    hessians = max(3 * H * H, cfg.expert_batch * (R * R + I * I) + 2 * H * H + (I * t.num_shared_experts) ** 2) * 8
+    big_k = max(H, I * max(1, t.num_shared_experts), t.intermediate_size)
+    gptq = 3 * max(H, t.intermediate_size) * big_k * 4 + 3 * big_k * big_k * 8
+    return int(layer_nonexpert_f32 + 2 * expert_f32 + states + routed + attention + hessians + gptq + 300e6)

@@ -1,0 +1,221 @@
+"""convert --calibrate on the trained tiny K3.1 fixture: verifies, is deterministic, resumes mid-layer
+to the same bytes, is never worse than data-free on validate, counts expert fallbacks, refuses bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kimi_quant.calibrate import CalibConfig
+from kimi_quant.calibrate import run as calib_run
+from kimi_quant.convert import ConvertOptions, convert
+from kimi_quant.layout.ascend_v1 import PROVENANCE
+from kimi_quant.model.synth import synth
+from kimi_quant.verify import verify_output
+
+from conftest import error_line, kq, snapshot
+
+torch.set_num_threads(1)
+TOKENS = 2048  # 4 windows of 512: enough for every tiny expert to see >= 32 tokens, seconds per run
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return synth("tiny", tmp_path_factory.mktemp("calsrc") / "tiny-bf16")
+
+
+def _convert(source, out, target="a3", **cal) -> dict:
+    cfg = CalibConfig(**{"tokens": TOKENS, **cal}) if cal is not None else None
+    res = convert(str(source), ConvertOptions(target=target, output=Path(out), quiet=True, workers=1, calibrate=cfg))
+    return res.calibration
+
+
+@pytest.fixture(scope="module")
+def calibrated(source, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cal") / "a3-cal"
+    _convert(source, out)
+    return out
+
+
+def _shards(out: Path) -> dict[str, str]:
+    return {k: v for k, v in snapshot(out).items() if k.startswith("quant_model_weights-")}
+
+
+def test_calibrated_output_verifies_and_records_its_calibration(calibrated, source):
+    verify_output(calibrated)
+    prov = json.loads((calibrated / PROVENANCE).read_text())
+    cal = prov["calibration"]
+    assert cal["method"] == "GPTQ" and cal["calibration"] == "builtin:train" and cal["tokens"] == TOKENS
+    assert cal["stats"]["gptq_tensors"] > 0 and cal["stats"]["routed_experts"] == 5 * 16
+    assert not (calibrated / calib_run.STATE_FILE).exists()  # the resume checkpoint is gone once complete
+    # same description as the data-free conversion: every tensor keeps its type
+    plain = calibrated.parent / "plain"
+    convert(str(source), ConvertOptions(target="a3", output=plain, quiet=True, workers=1))
+    desc = "quant_model_description.json"
+    assert json.loads((plain / desc).read_text()) == json.loads((calibrated / desc).read_text())
+
+
+def test_rerun_is_byte_identical(calibrated, source, tmp_path):
+    again = tmp_path / "again"
+    _convert(source, again)
+    assert _shards(again) == _shards(calibrated)
+    before = snapshot(again)
+    _convert(source, again)  # in place: nothing to redo, same files
+    assert snapshot(again) == before
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def test_resume_after_interrupt_mid_layer_gives_identical_bytes(calibrated, source, tmp_path, monkeypatch):
+    out = tmp_path / "resumed"
+    puts = {"n": 0}
+    real_put = calib_run._UnitWriter.put
+    layers_run = []
+    real_layer = calib_run._layer
+
+    def put(self, t, quantize=None):
+        puts["n"] += 1
+        if puts["n"] == 150:  # inside layer 2 (layers 0-1 hold ~110 tensors)
+            raise _Interrupt()
+        return real_put(self, t, quantize)
+
+    monkeypatch.setattr(calib_run._UnitWriter, "put", put)
+    with pytest.raises(_Interrupt):
+        _convert(source, out)
+    assert (out / calib_run.STATE_FILE).exists()
+    assert not (out / "quant_model_description.json").exists()
+    monkeypatch.setattr(calib_run._UnitWriter, "put", real_put)
+
+    def layer(tcfg, i, *a, **k):
+        layers_run.append(i)
+        return real_layer(tcfg, i, *a, **k)
+
+    monkeypatch.setattr(calib_run, "_layer", layer)
+    _convert(source, out)
+    assert layers_run[0] == 2, layers_run  # layers 0 and 1 came from the checkpointed state
+    verify_output(out)
+    assert _shards(out) == _shards(calibrated)
+    prov = json.loads((out / PROVENANCE).read_text())["calibration"]["stats"]
+    assert prov == json.loads((calibrated / PROVENANCE).read_text())["calibration"]["stats"]
+
+
+def _ratio(source, out) -> float:
+    from kimi_quant.validate.run import run_validation
+
+    return run_validation(source, out, max_tokens=2048, seq_len=512, progress=False)["ratio"]
+
+
+@pytest.mark.parametrize("target", ["a3", "950dt"])
+def test_calibrated_never_worse_than_data_free_on_validate(source, calibrated, tmp_path, target):
+    plain, cal = tmp_path / "plain", tmp_path / "cal"
+    convert(str(source), ConvertOptions(target=target, output=plain, quiet=True, workers=1))
+    if target == "a3":
+        cal = calibrated
+    else:
+        _convert(source, cal, target)
+    r_plain, r_cal = _ratio(source, plain), _ratio(source, cal)
+    print(f"{target}: data-free ratio {r_plain:.5f}, calibrated {r_cal:.5f}")
+    assert r_cal <= r_plain, (r_cal, r_plain)
+
+
+def test_rarely_routed_experts_fall_back_and_are_counted(source, tmp_path):
+    from kimi_quant.validate.weights import QuantizedLoader
+
+    out = tmp_path / "fallback"
+    cal = _convert(source, out, min_expert_tokens=10**9)  # no expert sees that many: all fall back
+    s = cal["stats"]
+    assert s["fallback_experts"] + s["never_routed_experts"] == s["routed_experts"] == 80
+    plain = tmp_path / "plain"
+    convert(str(source), ConvertOptions(target="a3", output=plain, quiet=True, workers=1))
+    name = "language_model.model.layers.3.block_sparse_moe.experts.5.w2.weight"
+    with QuantizedLoader(out) as a, QuantizedLoader(plain) as b:  # the data-free rule, bit for bit
+        assert torch.equal(a.tensor(name)[0], b.tensor(name)[0])
+
+
+def test_never_routed_expert_is_a_stated_fallback(source, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    tensors = load_file(src / "model.safetensors")
+    bias = "language_model.model.layers.2.block_sparse_moe.gate.e_score_correction_bias"
+    tensors[bias] = tensors[bias].clone()
+    tensors[bias][7] = -1e4  # expert 7 of layer 2 can never win a top-k slot
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    cal = _convert(src, tmp_path / "out", min_expert_tokens=1)
+    assert cal["stats"]["never_routed_experts"] == 1
+    from kimi_quant.calibrate.config import describe
+
+    assert "1 never routed" in describe(cal)
+
+
+def test_validate_and_card_say_calibrated(calibrated, source):
+    from kimi_quant.publish.publish import model_card
+    from kimi_quant.validate.run import format_table, run_validation
+
+    rep = run_validation(source, calibrated, max_tokens=256, seq_len=128, progress=False)
+    assert rep["output_calibration"]["tokens"] == TOKENS
+    assert f"GPTQ on {TOKENS} tokens of builtin:train" in format_table(rep)
+    card = model_card(calibrated, "org/tiny", None, False)
+    assert f"| Calibration | GPTQ on {TOKENS} tokens of builtin:train" in card
+
+
+# -- command line: options and bad input --------------------------------------------------------------
+def test_cli_calibrate_and_plan_estimate(source, tmp_path):
+    r = kq("convert", source, "-t", "950dt", "-o", tmp_path / "o", "--calibrate", "--calib-tokens", "256",
+           "--no-act-order", "--damp", "0.05", "-q")
+    assert r.returncode == 0, r.stderr
+    cal = json.loads((tmp_path / "o" / PROVENANCE).read_text())["calibration"]
+    assert (cal["act_order"], cal["damp"], cal["tokens"]) == (False, 0.05, 256)
+    r = kq("plan", source, "-t", "a3", "--calibrate", "--no-shards")
+    assert r.returncode == 0, r.stderr
+    assert "calibrate ~" in r.stdout and "memory ~" in r.stdout
+
+
+def test_cli_bad_calibration_inputs(source, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("hi")
+    r = kq("convert", source, "-t", "a3", "-o", tmp_path / "a", "--calibrate", "--calibration", short)
+    assert r.returncode == 2 and "too short" in error_line(r.stderr)
+    assert not (tmp_path / "a" / "quant_model_description.json").exists()
+
+    notok = tmp_path / "notok"
+    shutil.copytree(source, notok)
+    (notok / "tiktoken.model").unlink()
+    r = kq("convert", notok, "-t", "a3", "-o", tmp_path / "b", "--calibrate")
+    assert r.returncode == 2 and "tiktoken.model" in error_line(r.stderr)
+
+    r = kq("convert", source, "-t", "a3", "-o", tmp_path / "c", "--calibration", "builtin:heldout")
+    assert r.returncode == 2 and "only with --calibrate" in error_line(r.stderr)
+
+    r = kq("convert", source, "-t", "a3", "-o", tmp_path / "d", "--calibrate", "--calibration", tmp_path / "no.jsonl")
+    assert r.returncode == 2 and "not found" in error_line(r.stderr)
+
+    r = kq("convert", source, "-t", "a3", "-o", tmp_path / "e", "--calibrate", "--executor", "ray")
+    assert r.returncode == 2 and "local executor" in error_line(r.stderr)
+
+
+def test_hessian_collector_matches_a_plain_sum():
+    from kimi_quant.calibrate.hessian import HessianCollector
+
+    rng = np.random.default_rng(0)
+    xs = [torch.from_numpy(rng.standard_normal((2, 5, 8)).astype(np.float32)) for _ in range(3)]
+    c = HessianCollector()
+    c.want(["a", "b"])
+    for x in xs:
+        c("a", x)
+        c("b", x)  # same input object: shared, not summed twice
+        c("ignored", x)
+    flat = np.concatenate([x.reshape(-1, 8).double().numpy() for x in xs])
+    np.testing.assert_allclose(c.hessian("a"), flat.T @ flat / len(flat), rtol=1e-12)
+    assert c.hessian("b") is not None and np.array_equal(c.hessian("a"), c.hessian("b"))
+    assert c.tokens("a") == 30 and c.hessian("ignored") is None
+    c.drop(["a", "b"])
+    assert c.held_bytes == 0
