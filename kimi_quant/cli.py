@@ -261,8 +261,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
         click.echo(f"calibrate ~{e['hours']:.1f} h on {workers} cores ({e['core_hours']:.0f} core-h: forward "
                    f"{e['forward_core_h']:.0f}, Hessians {e['hessian_core_h']:.0f}, GPTQ {e['gptq_core_h']:.0f}; "
                    f"{cal.tokens} tokens; measured here: fp32 {e['fp32_gflops']:.0f} / fp64 {e['fp64_gflops']:.0f} "
-                   "GFLOP/s per core, GPTQ " + ", ".join(f"{k} {v:.2f} s" for k, v in e["gptq_probe_s"].items())
-                   + " per [256, 1024] matrix)")
+                   "GFLOP/s per core; GPTQ per routed-expert matrix "
+                   + ", ".join(f"{k} {v:.1f} s" for k, v in e["gptq_s_per_expert_matrix"].items()) + ")")
         click.echo(f"         memory ~{_gb(e['memory_bytes'])} peak (one layer's non-expert weights + experts in use + "
                    f"activations of {cal.tokens} tokens + Hessians of {cal.expert_batch} experts + one GPTQ); "
                    "shards are cut at layer boundaries")

@@ -8,8 +8,8 @@ Time = forward + Hessians + GPTQ, in core-seconds, divided by the cores:
   measured here on one core;
 * Hessians: 2 K^2 FLOPs per token per Linear input (q/k/v and w1/w3 share theirs; a routed expert
   only from its own tokens: k/E of them), at the fp64 rate measured here;
-* GPTQ: measured here on one [256, 1024] matrix per scheme, scaled by N K^2 + K^3 (the update and
-  the Cholesky terms) to each quantized matrix of the plan.
+* GPTQ: measured here per scheme on a [64, 256] and a [512, 1024] matrix, fitted to
+  a K + b (N K^2 + K^3) (per-column steps; the update and Cholesky arithmetic) and summed over the plan.
 
 Memory is the formula in :mod:`kimi_quant.calibrate.run`, evaluated for this model.
 """
@@ -26,7 +26,7 @@ from ..recipe.recipe import FLOAT
 from .config import CalibConfig
 from .layered import EXPERTS, GLOBAL, layer_of, stage_of
 
-PROBE_N, PROBE_K = 256, 1024
+PROBE = (512, 1024)
 
 
 def _rate(dtype, n: int = 512) -> float:
@@ -47,15 +47,15 @@ def _rate(dtype, n: int = 512) -> float:
     return 2 * n ** 3 / best
 
 
-def _gptq_seconds(scheme: str, matmul: str | None) -> float:
-    """One-core seconds of GPTQ on a [PROBE_N, PROBE_K] matrix in ``scheme``."""
+def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
+    """One-core seconds of GPTQ on an [n, k] matrix in ``scheme``."""
     import torch
 
     from ..quant import get_codec
 
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((PROBE_N, PROBE_K)).astype(np.float32) * 0.02
-    x = rng.standard_normal((2 * PROBE_K, PROBE_K))
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+    x = rng.standard_normal((2 * k, k))
     h = x.T @ x / len(x)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -67,6 +67,19 @@ def _gptq_seconds(scheme: str, matmul: str | None) -> float:
         torch.set_num_threads(threads)
 
 
+def gptq_model(scheme: str, matmul: str | None) -> tuple[float, float]:
+    """(a, b) of t(N, K) = a K + b (N K^2 + K^3) seconds on one core, fitted to two measured sizes:
+    GPTQ walks the K columns one at a time (a fixed cost each) and does O(N K^2 + K^3) arithmetic."""
+    sizes = [(64, 256), PROBE]
+    ts = [_gptq_seconds(scheme, matmul, n, k) for n, k in sizes]
+    A = np.array([[k, n * k * k + k ** 3] for n, k in sizes], dtype=np.float64)
+    a, b = np.linalg.solve(A, np.array(ts))
+    if a < 0 or b < 0:  # noise: fall back to the pure FLOP model through the larger probe
+        n, k = PROBE
+        return 0.0, ts[1] / (n * k * k + k ** 3)
+    return float(a), float(b)
+
+
 def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
     """{hours, core_hours, forward_core_h, hessian_core_h, gptq_core_h, memory_bytes, ...} for ``plan``."""
     t = spec.text
@@ -74,7 +87,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
     k, E = t.num_experts_per_token, t.num_experts
     flops_fwd = 0.0  # per token, all passes
     flops_h = 0.0  # per token
-    gptq_cost = defaultdict(float)  # scheme -> sum of N K^2 + K^3 (in probe units later)
+    gptq_cost = defaultdict(lambda: np.zeros(2))  # scheme -> sums of (K, N K^2 + K^3)
     probe = {}
     per_layer_nonexpert = defaultdict(int)
     expert_bytes = 0
@@ -101,20 +114,23 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
             if key not in seen_inputs or not key[3]:
                 seen_inputs.add(key)
                 flops_h += 2 * K * K * share
-            gptq_cost[(tp.scheme, tp.matmul)] += N * K * K + K ** 3
-            probe.setdefault((tp.scheme, tp.matmul), None)
+            gptq_cost[tp.scheme] += np.array([K, N * K * K + K ** 3], dtype=np.float64)
+            probe.setdefault(tp.scheme, tp.matmul)
     fp32, fp64 = _rate(__import__("torch").float32), _rate(__import__("torch").float64)
     gptq_s = 0.0
-    for key, cost in gptq_cost.items():
-        probe[key] = _gptq_seconds(*key)
-        gptq_s += probe[key] * cost / (PROBE_N * PROBE_K ** 2 + PROBE_K ** 3)
+    per_expert = {}
+    for scheme, cost in gptq_cost.items():
+        a, b = gptq_model(scheme, probe[scheme])
+        gptq_s += a * cost[0] + b * cost[1]
+        R, I = t.latent_size, t.moe_intermediate_size
+        per_expert[scheme] = a * R + b * (I * R * R + R ** 3)  # one [I, R] expert matrix (w1 / w3)
     fwd_s = flops_fwd * T / fp32
     hess_s = flops_h * T / fp64
     core_s = fwd_s + hess_s + gptq_s
     return {"hours": core_s / max(1, workers) / 3600, "core_hours": core_s / 3600, "workers": workers,
             "forward_core_h": fwd_s / 3600, "hessian_core_h": hess_s / 3600, "gptq_core_h": gptq_s / 3600,
             "fp32_gflops": fp32 / 1e9, "fp64_gflops": fp64 / 1e9,
-            "gptq_probe_s": {f"{s}/{m}": v for (s, m), v in probe.items()},
+            "gptq_s_per_expert_matrix": per_expert,
             "memory_bytes": memory_bytes(spec, cfg, max(per_layer_nonexpert.values(), default=0), expert_bytes)}
 
 

@@ -1,18 +1,21 @@
 """The calibrated conversion driver (``convert --calibrate``): layer by layer, journaled, resumable.
 
-Memory, at any moment (the bound ``plan --calibrate`` prints):
+Memory, at any moment (``estimate.memory_bytes`` evaluates it; ``plan --calibrate`` prints it)::
 
-    resident ~ one layer's non-expert weights (fp32)            [attention, shared experts, latent projections]
-             + the routed experts in use (one at a time, fp32)  [read from the source on demand]
-             + activations: T x H x 4 B x (2 + residual blocks) x 2 [the state (x, blocks) in and out, T tokens]
-               + T x k x (R + I) x 4 B                           [routed expert inputs during the MoE pass]
-             + Hessians of the Linears being quantized: attention side, or the MLP's non-routed Linears
-               plus one batch of experts: expert_batch x (R^2 + I^2) x 8 B
-             + one matrix's GPTQ working set (~ 3 x N x K x 4 B + K^2 x 8 B)
+    one layer's non-expert weights, fp32                  attention, shared experts, latent projections, dense MLP
+  + 2 routed experts' weights, fp32                       the one in use (read on demand) and its read-back
+  + activations  T x H x 4 B x (2 + blocks) x 2           the state (x, residual blocks) in and out, T tokens
+               + T x k x (R + I) x 4 B                    routed expert inputs during the MoE pass
+               + windows x heads x seq_len^2 x 4 B x 2    attention scores of one window batch
+  + Hessians of the Linears being quantized               attention side (~3 H^2), or the MLP's non-routed
+                                                          Linears + one batch of experts: batch x (R^2 + I^2)
+                                                          (x 8 B, float64)
+  + one GPTQ working set                                  ~3 N K x 4 B + 3 K^2 x 8 B for the largest matrix
 
-K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, 32-expert batches): about 15 GB. Full Hessians of
-the whole model could never be held (7168^2 x 8 B x 896 experts x 93 layers is hundreds of TB): a
-layer's Hessians live only while that layer is quantized.
+K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, batches of 32 experts): ~65 GB, of which ~27 GB is
+the GPTQ of the layer-0 dense down projection (K = 33792). Full Hessians of the whole model could never
+be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB): Hessians live only while
+that layer is quantized.
 
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;
