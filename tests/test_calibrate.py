@@ -106,23 +106,32 @@ def test_resume_after_interrupt_mid_layer_gives_identical_bytes(calibrated, sour
     assert prov == json.loads((calibrated / PROVENANCE).read_text())["calibration"]["stats"]
 
 
-def _ratio(source, out) -> float:
+def _report(source, out) -> dict:
     from kimi_quant.validate.run import run_validation
 
-    return run_validation(source, out, max_tokens=2048, seq_len=512, progress=False)["ratio"]
+    return run_validation(source, out, max_tokens=4096, seq_len=512, progress=False)
 
 
 @pytest.mark.parametrize("target", ["a3", "950dt"])
 def test_calibrated_never_worse_than_data_free_on_validate(source, calibrated, tmp_path, target):
+    """On the held-out text validate uses: the calibrated output is closer to BF16 than the data-free one
+    after every layer and at the logits (relative error, KL). The perplexity ratio is printed, not
+    asserted: at ~1.005 on this model its sign flips with the text (quantization noise that happens to
+    lower perplexity), while KL and the per-layer errors do not."""
     plain, cal = tmp_path / "plain", tmp_path / "cal"
     convert(str(source), ConvertOptions(target=target, output=plain, quiet=True, workers=1))
     if target == "a3":
         cal = calibrated
     else:
         _convert(source, cal, target)
-    r_plain, r_cal = _ratio(source, plain), _ratio(source, cal)
-    print(f"{target}: data-free ratio {r_plain:.5f}, calibrated {r_cal:.5f}")
-    assert r_cal <= r_plain, (r_cal, r_plain)
+    p, c = _report(source, plain), _report(source, cal)
+    print(f"{target}: ppl ratio data-free {p['ratio']:.5f} calibrated {c['ratio']:.5f}; KL {p['logits']['kl']:.3e} "
+          f"-> {c['logits']['kl']:.3e}; last-layer rel_error {p['layers'][-1]['rel_error']:.4f} -> "
+          f"{c['layers'][-1]['rel_error']:.4f}")
+    assert c["logits"]["kl"] <= p["logits"]["kl"]
+    assert c["logits"]["rel_error"] <= p["logits"]["rel_error"]
+    for lp, lc in zip(p["layers"], c["layers"]):
+        assert lc["rel_error"] <= lp["rel_error"], (lp, lc)
 
 
 def test_rarely_routed_experts_fall_back_and_are_counted(source, tmp_path):

@@ -81,6 +81,8 @@ class _Agree:
         self.n = 0
         self.err2 = 0.0
         self.ref2 = 0.0
+        self.kl_sum = 0.0
+        self.kl_n = 0
 
     def add(self, ref: torch.Tensor, q: torch.Tensor) -> None:
         r = ref.reshape(-1, ref.shape[-1]).double()
@@ -92,9 +94,22 @@ class _Agree:
         self.err2 += (d - r).pow(2).sum().item()
         self.ref2 += r.pow(2).sum().item()
 
+    def add_kl(self, ref_logits: torch.Tensor, q_logits: torch.Tensor) -> None:
+        """Accumulate KL(p_bf16 || p_quant) of next-token distributions, one window at a time (fp64):
+        unlike a perplexity ratio it cannot come out better than 1 by chance (a perturbation that
+        happens to lower perplexity still diverges from the BF16 model)."""
+        for b in range(ref_logits.shape[0]):
+            lp = torch.log_softmax(ref_logits[b].double(), dim=-1)
+            lq = torch.log_softmax(q_logits[b].double(), dim=-1)
+            self.kl_sum += (lp.exp() * (lp - lq)).sum().item()
+            self.kl_n += lp.shape[0]
+
     def result(self) -> dict[str, float]:
-        return {"cosine": self.cos_sum / max(1, self.n), "cosine_min": self.cos_min,
-                "rel_error": math.sqrt(self.err2 / self.ref2) if self.ref2 > 0 else 0.0}
+        out = {"cosine": self.cos_sum / max(1, self.n), "cosine_min": self.cos_min,
+               "rel_error": math.sqrt(self.err2 / self.ref2) if self.ref2 > 0 else 0.0}
+        if self.kl_n:
+            out["kl"] = self.kl_sum / self.kl_n
+        return out
 
 
 def _layer_kind(cfg, i: int) -> str:
@@ -168,6 +183,7 @@ def _run(loaders: list[WeightLoader], batches: list[torch.Tensor], progress: boo
                 logits0.append(logits)
             else:
                 lagree.add(logits0[j], logits)
+                lagree.add_kl(logits0[j], logits)
         totals.append((nll, cnt))
         del gw
     return totals, layers, (lagree.result() if len(loaders) > 1 else None)
@@ -197,7 +213,8 @@ def run_validation(source_dir: str | Path, quant_dir: str | Path, calibration: s
 
     Returns (and writes to ``json_path`` if given) a report with ``ppl_bf16``, ``ppl_quant``, ``ratio``
     (= ppl_quant / ppl_bf16), ``tokens`` (scored tokens), ``layers`` (one entry per decoder layer:
-    layer, kind, cosine, cosine_min, rel_error), ``logits`` (the same for the final logits), and
+    layer, kind, cosine, cosine_min, rel_error), ``logits`` (the same for the final logits, plus ``kl``: mean KL(BF16 || quantized) of
+    the next-token distributions, nats per token), ``output_calibration`` (the output's GPTQ calibration or None), and
     ``convention``, ``seq_len``, ``windows``, ``calibration``, ``wall_s``.
 
     ``lazy_experts=False`` loads every routed expert of a layer up front (the former eager path, kept
@@ -253,7 +270,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{e['rel_error']:>10.3e}")
     if report.get("logits"):
         e = report["logits"]
-        lines.append(f"{'out':>5}  {'logits':<12} {e['cosine']:>10.6f} {e['cosine_min']:>10.6f} {e['rel_error']:>10.3e}")
+        lines.append(f"{'out':>5}  {'logits':<12} {e['cosine']:>10.6f} {e['cosine_min']:>10.6f} {e['rel_error']:>10.3e}"
+                     + (f"   KL(bf16 || quant) {e['kl']:.3e} nats/token" if "kl" in e else ""))
     lines.append("")
     lines.append(f"perplexity BF16 {report['ppl_bf16']:.4f}   quantized {report['ppl_quant']:.4f}   "
                  f"ratio {report['ratio']:.4f}   ({report['tokens']} tokens scored, {report['windows']} windows "
