@@ -153,11 +153,12 @@ def test_never_routed_expert_is_a_stated_fallback(source, tmp_path):
 
     src = tmp_path / "src"
     shutil.copytree(source, src)
-    tensors = load_file(src / "model.safetensors")
     bias = "language_model.model.layers.2.block_sparse_moe.gate.e_score_correction_bias"
+    shard = src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][bias]
+    tensors = load_file(shard)
     tensors[bias] = tensors[bias].clone()
     tensors[bias][7] = -1e4  # expert 7 of layer 2 can never win a top-k slot
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, shard, metadata={"format": "pt"})
     cal = _convert(src, tmp_path / "out", min_expert_tokens=1)
     assert cal["stats"]["never_routed_experts"] == 1
     from kimi_quant.calibrate.config import describe
@@ -228,3 +229,18 @@ def test_hessian_collector_matches_a_plain_sum():
     assert c.tokens("a") == 30 and c.hessian("ignored") is None
     c.drop(["a", "b"])
     assert c.held_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPTQ on --device cuda)")
+def test_calibrate_on_cuda_verifies_and_is_as_close_to_bf16(source, calibrated, tmp_path):
+    out = tmp_path / "cuda"
+    _convert(source, out, device="cuda")
+    verify_output(out)
+    assert _report(source, out)["logits"]["kl"] <= _report(source, calibrated)["logits"]["kl"] * 1.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_cuda_is_one_line(source, tmp_path):
+    r = kq("convert", source, "-t", "a3", "-o", tmp_path / "o", "--calibrate", "--device", "cuda")
+    assert r.returncode == 2 and "no cuda device" in error_line(r.stderr)
+    assert not (tmp_path / "o").exists()
