@@ -258,8 +258,11 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
         from .calibrate.estimate import estimate
 
         e = estimate(p, spec, cal, workers)
-        click.echo(f"calibrate ~{e['hours']:.1f} h on {workers} cores ({e['core_hours']:.0f} core-h: forward "
-                   f"{e['forward_core_h']:.0f}, Hessians {e['hessian_core_h']:.0f}, GPTQ {e['gptq_core_h']:.0f}; "
+        def dur(h: float) -> str:
+            return f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min" if h * 60 >= 1 else f"{h * 3600:.0f} s"
+
+        click.echo(f"calibrate ~{dur(e['hours'])} on {workers} cores ({dur(e['core_hours'])} of one core: forward "
+                   f"{dur(e['forward_core_h'])}, Hessians {dur(e['hessian_core_h'])}, GPTQ {dur(e['gptq_core_h'])}; "
                    f"{cal.tokens} tokens; measured here: fp32 {e['fp32_gflops']:.0f} / fp64 {e['fp64_gflops']:.0f} "
                    "GFLOP/s per core; GPTQ per routed-expert matrix "
                    + ", ".join(f"{k} {v:.1f} s" for k, v in e["gptq_s_per_expert_matrix"].items()) + ")")
