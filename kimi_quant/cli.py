@@ -176,7 +176,10 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
         in_by[t.scheme] = in_by.get(t.scheme, 0) + t.in_bytes
         out_by[t.scheme] = out_by.get(t.scheme, 0) + t.out_bytes
     click.echo(f"source   {p.source}" + (f" @ {p.revision}" if p.revision else ""))
+    from .plan import model_quant_type_meaning
+
     click.echo(f"target   {p.target}   recipe {p.recipe['name']}   model_quant_type {p.description()['model_quant_type']}")
+    click.echo(f"         {model_quant_type_meaning(p.description()['model_quant_type'], set(counts))}")
     click.echo(f"{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")
     for s in sorted(counts):
         click.echo(f"{s:14s} {counts[s]:8d} {_gb(in_by[s]):>12s} {_gb(out_by[s]):>12s}")
@@ -304,6 +307,7 @@ def verify(output, no_rehash):
 
     r = verify_output(output, rehash=not no_rehash, quiet=False)
     click.echo(f"ok: {r['shards']} shards, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
+    click.echo(f"    {r['model_quant_type_meaning']}")
 
 
 # -- synth -------------------------------------------------------------------------------------

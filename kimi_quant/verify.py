@@ -14,6 +14,7 @@ from .hashing import sha256_file, sha256_files
 from .journal import Journal
 from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from .dtypes import nonfinite
+from .plan import model_quant_type_meaning, moe_layer_types
 from .source.safetensors import SafetensorsReader, read_header
 from .untrusted import inside, unsafe_name
 
@@ -188,10 +189,15 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     for key in TOP_LEVEL:
         if key not in desc:
             raise _fail(out_dir, f"{DESCRIPTION} lacks top-level key {key!r}")
-    entries = {k for k in desc if k not in TOP_LEVEL}
+    tensor_types = {k: v for k, v in desc.items() if k not in TOP_LEVEL and k in shapes}
+    moe_keys = moe_layer_types(tensor_types)
+    entries = {k for k in desc if k not in TOP_LEVEL and k not in moe_keys}
     if entries != set(shapes):
         extra = sorted(entries - set(shapes)) or sorted(set(shapes) - entries)
         raise _fail(out_dir, f"{DESCRIPTION} and the shards disagree on tensor {extra[0]!r}")
+    for key, typ in moe_keys.items():  # what vLLM-Ascend reads for a model type it has no table for
+        if desc.get(key) != typ:
+            raise _fail(out_dir, f"{DESCRIPTION}: {key!r} is {desc.get(key)!r}, the layer's experts are {typ}")
     _check_types(out_dir, desc, shapes)
     _check_top_level(out_dir, desc)
     if rehash:
@@ -201,4 +207,5 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise _fail(out_dir, "config.json still has quantization_config")
     return {"shards": len(files), "tensors": len(shapes), "bytes": total,
-            "model_quant_type": desc["model_quant_type"]}
+            "model_quant_type": desc["model_quant_type"],
+            "model_quant_type_meaning": model_quant_type_meaning(desc["model_quant_type"], set(tensor_types.values()))}
