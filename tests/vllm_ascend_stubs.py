@@ -258,9 +258,13 @@ def import_vllm_ascend(src: Path, device_type: str = "A3"):
     from vllm_ascend import ascend_config
 
     # the Ascend config vLLM-Ascend reads in scheme constructors: defaults, no dynamic EPLB
+    # (weight_nz_mode 1, the default: quantized weights go through npu_format_cast, the identity here)
     ascend_config._ASCEND_CONFIG = SimpleNamespace(eplb_config=SimpleNamespace(dynamic_eplb=False),
-                                                   enable_nz=False)
+                                                   weight_nz_mode=1)
     ascend_config._is_ascend_config_initialized = lambda cfg: True
+    from vllm_ascend.distributed import parallel_state
+
+    parallel_state._MC2 = SimpleNamespace()  # one device: no MC2 communicator (the scheme falls back to "")
     from vllm_ascend.quantization import modelslim_config
 
     return modelslim_config
