@@ -77,7 +77,11 @@ def test_independent_decoder_reads_every_tensor(target, tiny_src, outputs):
     assert desc["version"] == "1.0.0" and desc["metadata"] == {} and desc["optional"] == {}
     assert desc["group_size"] == (0 if target == "a3" else 32)
     assert desc["model_quant_type"] == ("W8A8_DYNAMIC" if target == "a3" else "W4A8_MXFP")
-    assert set(desc) - set(TOP) == set(got), "description needs exactly one entry per saved tensor"
+    # one entry per saved tensor, plus one per MoE layer naming its experts' type (what vLLM-Ascend reads)
+    moe_keys = {k for k in desc if k.endswith(".block_sparse_moe.experts.weight")}
+    assert set(desc) - set(TOP) - moe_keys == set(got), "description needs exactly one entry per saved tensor"
+    assert moe_keys == {f"language_model.model.layers.{i}.block_sparse_moe.experts.weight" for i in range(1, 6)}
+    assert all(desc[k] == desc[k.replace(".experts.weight", ".experts.0.w2.weight")] for k in moe_keys)
 
     quantized = {k[: -len(".weight")] for k, v in desc.items() if k not in TOP and v != "FLOAT" and k.endswith(".weight")}
     seen_types = set()
