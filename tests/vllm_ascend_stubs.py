@@ -71,9 +71,10 @@ class _StubModule(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves ``vllm`` / ``torch_npu`` (and anything below) to stub modules when not installed."""
+    """Resolves ``vllm`` / ``torch_npu`` (and anything below) to stub modules when not installed
+    (it is last on ``sys.meta_path``: an installed package is always found first)."""
 
-    roots = ("vllm", "torch_npu", "triton")
+    roots = ("vllm", "torch_npu", "triton", "transformers")  # transformers: a type annotation only
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.split(".")[0] in self.roots:
