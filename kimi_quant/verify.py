@@ -14,7 +14,7 @@ from .hashing import sha256_file, sha256_files
 from .journal import Journal
 from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from .dtypes import nonfinite
-from .plan import model_quant_type_meaning, moe_layer_types
+from .plan import MXFP4_LOADER_K_MULTIPLE, model_quant_type_meaning, moe_layer_types
 from .source.safetensors import SafetensorsReader, read_header
 from .untrusted import inside, unsafe_name
 
@@ -66,6 +66,9 @@ def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[i
         elif typ == "W4A8_MXFP":
             N, K = shp[0], 2 * shp[1]
             want = {"weight": ("U8", (N, K // 2)), "weight_scale": ("U8", (N, K // 32))}
+            if K % MXFP4_LOADER_K_MULTIPLE:
+                raise _fail(out_dir, f"{base}: W4A8_MXFP with K={K}: vLLM-Ascend needs K divisible by "
+                                     f"{MXFP4_LOADER_K_MULTIPLE} (it pairs the 32-blocks' scales)")
         elif typ == "W8A8_MXFP8":
             N, K = shp
             want = {"weight": ("F8_E4M3", (N, K)), "weight_scale": ("U8", (N, K // 32))}
