@@ -58,7 +58,7 @@ def va():
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tiny-fixture")
-    synth("tiny", d, random_weights=True)  # TEMP
+    synth("tiny", d)  # the bundled trained fixture
     return d
 
 
