@@ -3,10 +3,16 @@
 A codec knows three things about scheme X applied to a Linear weight ``[N, K]`` (N = out, K = in):
   * ``out_specs(shape, matmul)``: the ascendV1 tensors it writes, ``{suffix: (dtype, shape)}``,
     so a plan can size every output without reading any data;
-  * ``quantize(w, matmul)``: float32 ``[N, K]`` -> ``{suffix: ndarray}`` (the plain numpy reference);
+  * ``quantize(w, matmul)``: float32 ``[N, K]`` -> ``{suffix: ndarray}`` (the plain numpy reference
+    of the data-free rule); ``quantize(w, matmul, hessian=H, gptq=GPTQConfig())`` is the calibrated
+    path (GPTQ error feedback on the same grid, same bytes format; see ``gptq``);
   * ``dequantize(tensors)``: the inverse, public so validation can read back output bytes.
 ``quantize_bf16(w_u16, matmul)`` is the fast path from raw bfloat16 bits; it must be
 bit-identical to ``quantize(bf16_to_f32(w_u16), matmul)``.
+
+A subclass supplies ``data_free_codes`` (the reference rule as codes on a ``gptq.Grid``), ``encode``
+(codes -> on-disk tensors), ``gptq_grids`` (the grids the calibrated path may use) and the numba
+fast path ``_quantize_bf16_fast``.
 
 ``matmul`` is the role of the Linear in an MLP (``"gate"``, ``"up"``, ``"down"`` or None), decided
 by the model spec; only W4A8_DYNAMIC uses it (``scale_bias`` shape).
@@ -50,17 +56,59 @@ class Codec:
     def out_specs(self, shape: tuple[int, ...], matmul: str | None) -> Spec:
         raise NotImplementedError
 
-    def quantize(self, w: np.ndarray, matmul: str | None = None) -> dict[str, np.ndarray]:
+    def quantize(
+        self, w: np.ndarray, matmul: str | None = None, hessian: np.ndarray | None = None, gptq=None
+    ) -> dict[str, np.ndarray]:
+        """float32 ``w`` [N, K] -> the on-disk tensors ``{suffix: ndarray}``.
+
+        hessian: None for the data-free rule (the plain numpy reference the kernels match), or the
+            statistic of this Linear's inputs, ``(1/n) sum_t x_t x_t^T`` [K, K] (float64 or float32)
+            over the n calibration tokens reaching it: then GPTQ-class error feedback on the same
+            grid (``gptq.gptq_quantize``), written in the same format.
+        gptq: a ``gptq.GPTQConfig`` (None: its defaults); ignored without a hessian, so callers may
+            pass one config for every tensor and None hessians where calibration did not reach.
+        """
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        self.require(w.shape, matmul)
+        if hessian is not None:
+            from .gptq import gptq_quantize
+
+            return gptq_quantize(self, w, matmul, hessian, gptq)
+        grid, codes = self.data_free_codes(w, matmul)
+        return self.encode(codes, grid, matmul)
+
+    def data_free_codes(self, w: np.ndarray, matmul: str | None):
+        """The data-free rule as (gptq.Grid, codes [N, K]) (w float32, already checked)."""
+        raise NotImplementedError
+
+    def gptq_grids(self, w: np.ndarray, matmul: str | None):
+        """Candidate grids for the calibrated path (default: the data-free rule's scales)."""
+        return [self.data_free_codes(w, matmul)[0]]
+
+    def encode(self, codes: np.ndarray, grid, matmul: str | None) -> dict[str, np.ndarray]:
+        """Codes on ``grid`` -> the on-disk tensors (the format of ``out_specs``)."""
         raise NotImplementedError
 
     def quantize_bf16(
-        self, w_u16: np.ndarray, matmul: str | None = None, out: dict[str, np.ndarray] | None = None
+        self, w_u16: np.ndarray, matmul: str | None = None, out: dict[str, np.ndarray] | None = None,
+        hessian: np.ndarray | None = None, gptq=None,
     ) -> dict[str, np.ndarray]:
         """Fast path from bf16 bits.  ``out`` (optional): preallocated arrays for some or all
-        suffixes (C-contiguous, dtype/shape as ``out_specs``); they are filled and returned."""
+        suffixes (C-contiguous, dtype/shape as ``out_specs``); they are filled and returned.
+        With a ``hessian`` this is the calibrated path of ``quantize`` (torch, not numba)."""
+        if hessian is None:
+            return self._quantize_bf16_fast(w_u16, matmul, out)
+        res = self.quantize(bf16_to_f32(w_u16), matmul, hessian, gptq)
+        if out:
+            for key, arr in self.alloc(w_u16.shape, matmul, out).items():
+                arr[...] = res[key]
+                res[key] = arr
+        return res
+
+    def _quantize_bf16_fast(self, w_u16, matmul, out):
         res = self.quantize(bf16_to_f32(w_u16), matmul)
         if out:
-            for key, arr in out.items():
+            for key, arr in self.alloc(w_u16.shape, matmul, out).items():
                 arr[...] = res[key]
                 res[key] = arr
         return res

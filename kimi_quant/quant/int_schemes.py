@@ -6,6 +6,7 @@ import numpy as np
 
 from . import numerics as nm
 from .base import Codec, Spec, load_kernels, register
+from .gptq import Grid
 
 
 def _u16(w_u16: np.ndarray) -> np.ndarray:
@@ -62,18 +63,21 @@ class W4A8Dynamic(Codec):
             "scale_bias": ("F32", (N, 16 if matmul == "down" else 1)),
         }
 
-    def quantize(self, w, matmul=None):
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        self.require(w.shape, matmul)
+    def data_free_codes(self, w, matmul):
         q, s = nm.int4_quantize(w)
+        return Grid(s[:, None], w.shape[1], "int", -8, 7), q
+
+    def encode(self, codes, grid, matmul):
+        q = codes.astype(np.int8)
+        s = np.ascontiguousarray(grid.scale[:, 0], dtype=np.float32)
         return {
             "weight": nm.pack_int4_along_n(q),
             "weight_scale": s[:, None].copy(),
-            "weight_offset": np.zeros((w.shape[0], 1), np.float32),
+            "weight_offset": np.zeros((q.shape[0], 1), np.float32),
             "scale_bias": nm.int4_scale_bias(q, s, matmul),
         }
 
-    def quantize_bf16(self, w_u16, matmul=None, out=None):
+    def _quantize_bf16_fast(self, w_u16, matmul, out):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = load_kernels().int4_kernel(
@@ -104,13 +108,15 @@ class W8A8Dynamic(Codec):
         N, K = shape
         return {"weight": ("I8", (N, K)), "weight_scale": ("F32", (N, 1)), "weight_offset": ("F32", (N, 1))}
 
-    def quantize(self, w, matmul=None):
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        self.require(w.shape, matmul)
+    def data_free_codes(self, w, matmul):
         q, s = nm.int8_quantize(w)
-        return {"weight": q, "weight_scale": s[:, None].copy(), "weight_offset": np.zeros((w.shape[0], 1), np.float32)}
+        return Grid(s[:, None], w.shape[1], "int", -127, 127), q
 
-    def quantize_bf16(self, w_u16, matmul=None, out=None):
+    def encode(self, codes, grid, matmul):
+        return {"weight": codes.astype(np.int8), "weight_scale": np.asarray(grid.scale, np.float32).reshape(-1, 1).copy(),
+                "weight_offset": np.zeros((codes.shape[0], 1), np.float32)}
+
+    def _quantize_bf16_fast(self, w_u16, matmul, out):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = load_kernels().int8_kernel(w, res["weight"], res["weight_scale"])

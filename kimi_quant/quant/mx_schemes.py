@@ -6,6 +6,7 @@ import numpy as np
 
 from . import numerics as nm
 from .base import Codec, Spec, load_kernels, register
+from .gptq import Grid
 from .int_schemes import _raise_nonfinite, _u16
 from .numerics import BLOCK
 
@@ -26,13 +27,14 @@ class _MX(Codec):
 
     kernel: str  # name of the numba kernel in ``kernels``: (w, weight_out, scale_out) -> bad row or -1
 
-    def quantize(self, w, matmul=None):
-        w = np.ascontiguousarray(w, dtype=np.float32)
-        self.require(w.shape, matmul)
+    def data_free_codes(self, w, matmul):
         code, scale = nm.mx_quantize(w, self.elem)
-        return {"weight": self._pack(code), "weight_scale": scale}
+        return Grid(nm.e8m0_to_f32(scale), BLOCK, self.elem, scale_bytes=scale), code
 
-    def quantize_bf16(self, w_u16, matmul=None, out=None):
+    def encode(self, codes, grid, matmul):
+        return {"weight": self._pack(codes.astype(np.uint8)), "weight_scale": np.ascontiguousarray(grid.scale_bytes)}
+
+    def _quantize_bf16_fast(self, w_u16, matmul, out):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = getattr(load_kernels(), self.kernel)(w, res["weight"], res["weight_scale"])
