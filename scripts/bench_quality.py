@@ -293,8 +293,8 @@ def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int 
     import torch
 
     seq = seq or (256 if quick else 512)
-    eval_windows = eval_windows if eval_windows is not None else (6 if quick else None)
-    calib_windows = calib_windows or (16 if quick else 32)
+    eval_windows = eval_windows if eval_windows is not None else (4 if quick else None)
+    calib_windows = calib_windows or (8 if quick else 32)
     t0 = time.perf_counter()
     model, tok, linears = load_model()
     heldout = windows(tok, "heldout", eval_windows, seq)
@@ -362,12 +362,12 @@ def table(rows, markdown: bool = True) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short run: 6 heldout windows x 256 tokens, 16 x 256 calibration")
+    ap.add_argument("--quick", action="store_true", help="short run: 4 heldout windows x 256 tokens, 8 x 256 calibration")
     ap.add_argument("--schemes", default=",".join(s.name for s in SCHEMES),
                     help=f"comma-separated, from: {', '.join(BY_NAME)}")
     ap.add_argument("--seq", type=int, help="tokens per window (512; --quick 256)")
-    ap.add_argument("--eval-windows", type=int, help="heldout windows (all; --quick 6)")
-    ap.add_argument("--calib-windows", type=int, help="train windows for the Hessians (32; --quick 16)")
+    ap.add_argument("--eval-windows", type=int, help="heldout windows (all; --quick 4)")
+    ap.add_argument("--calib-windows", type=int, help="train windows for the Hessians (32; --quick 8)")
     ap.add_argument("--damp", type=float, default=GPTQConfig.damp)
     ap.add_argument("--no-act-order", action="store_true")
     ap.add_argument("--per-tensor", metavar="CSV", help="write the per-tensor errors of every scheme to CSV")

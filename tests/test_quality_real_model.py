@@ -3,13 +3,14 @@ our data-free rules never lose to the plain rules on perplexity, and the calibra
 loses to the data-free one (perplexity and input-weighted error)."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 _PATH = Path(__file__).resolve().parent.parent / "scripts" / "bench_quality.py"
 _spec = importlib.util.spec_from_file_location("bench_quality", _PATH)
-bq = importlib.util.module_from_spec(_spec)
+bq = sys.modules.setdefault("bench_quality", importlib.util.module_from_spec(_spec))  # dataclasses need it registered
 _spec.loader.exec_module(bq)
 
 _WHY = bq.missing_extra()
