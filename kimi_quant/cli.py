@@ -147,55 +147,156 @@ def _open(source, revision, work_dir=None):
 
 
 # -- plan ---------------------------------------------------------------------------------------
-@main.command(short_help="Dry run from headers only: schemes, sizes, shards, memory.")
+def _duration(s: float) -> str:
+    """3 s, 4 min, 2 h 05 min, 3 d 04 h: as precise as an estimate deserves."""
+    s = max(0.0, s)
+    if s < 90:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s" if s >= 0.1 else "< 0.1 s"
+    if s < 3600:
+        return f"{s / 60:.0f} min"
+    if s < 86400:
+        return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+    return f"{int(s // 86400)} d {int(s % 86400 // 3600):02d} h"
+
+
+def _local_source(source: str) -> bool:
+    return Path(source).expanduser().exists()
+
+
+def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=False) -> None:
+    """A local directory has no revisions and is read in place: --revision is refused (the run would
+    not be the revision asked for), the staging options are ignored with a warning."""
+    if not _local_source(source):
+        return
+    if revision:
+        raise KimiQuantError(f"--revision {revision}: {source} is a local directory, which has no revisions "
+                             "(give the hub repo id to convert a revision, or drop --revision)")
+    ignored = [name for name, v in (("--work-dir", work_dir), ("--max-disk", max_disk),
+                                    ("--keep-source", keep_source)) if v]
+    if ignored:
+        click.echo(f"kimi-quant: warning: {', '.join(ignored)} ignored: {source} is a local directory, read in "
+                   "place (these options bound the staging of hub sources)", err=True)
+
+
+@main.command(short_help="Size the job from headers only: output, disk, memory, time, schemes.")
 @_plan_options
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Worker processes the memory estimate assumes (default: cores).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full plan as JSON.")
-@click.option("--shards/--no-shards", "show_shards", default=True, help="List the output shard layout.")
-def plan(source, target, recipe, overrides, max_shard_size, revision, workers, json_path, show_shards):
-    """Dry run: what a conversion would do, from headers only (no tensor data is read)."""
-    from .convert import build_plan
+              help="Workers the memory and time estimates assume (default: one per core; with --executor ray, "
+                   "the workers of your cluster).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Executor the estimates assume (Ray: each worker as fast as one core of this machine).")
+@click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards would be staged.")
+@click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the plan as JSON, with the estimates under 'totals'.")
+@click.option("--shards/--no-shards", "show_shards", default=False, help="List the output shards and their inputs.")
+@click.option("--verbose", "-v", is_flag=True, help="Scheme table and the shard list as well.")
+@click.option("--remeasure", is_flag=True, help="Measure this machine's codec rates again (else the stored ones).")
+def plan(source, target, recipe, overrides, max_shard_size, revision, workers, executor, work_dir, max_disk,
+         json_path, show_shards, verbose, remeasure):
+    """Size a conversion before running it, from headers only (no tensor data is read): output size,
+    disk needed, peak memory and wall time for the given --workers/--executor, model_quant_type, and
+    (-v) the scheme of every tensor group and the output shards.
 
-    src = _open(source, revision)
+    The time comes from this machine's codec rates, measured once (about a second) and stored in
+    the kimi-quant cache (KIMI_QUANT_CACHE); --remeasure takes them again.
+    """
+    from .convert import build_plan
+    from .estimate import load_rates, size_job
+
+    _staging_options_for(source, revision, work_dir, max_disk)
+    hub = not _local_source(source)
+    src = _open(source, revision, work_dir if hub else None)
     try:
         p = build_plan(src, target, recipe, overrides, max_shard_size)
     finally:
         src.close()
-    if json_path:  # first: an unwritable path fails before any of the plan is printed
-        from .write import write_atomic
-
-        try:
-            write_atomic(json_path, json.dumps(p.to_json(), indent=1).encode())
-        except OSError as e:
-            raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
     workers = workers or os.cpu_count() or 1
+    job = size_job(p, load_rates(remeasure), workers=workers, executor=executor, hub=hub,
+                   max_disk=max_disk if hub else None)
     counts = p.scheme_counts()
     in_by, out_by = {}, {}
     for t in p.tensors():
         in_by[t.scheme] = in_by.get(t.scheme, 0) + t.in_bytes
         out_by[t.scheme] = out_by.get(t.scheme, 0) + t.out_bytes
-    click.echo(f"source   {p.source}" + (f" @ {p.revision}" if p.revision else ""))
-    from .plan import model_quant_type_meaning
+    if json_path:  # first: an unwritable path fails before any of the plan is printed
+        from .write import write_atomic
 
-    click.echo(f"target   {p.target}   recipe {p.recipe['name']}   model_quant_type {p.description()['model_quant_type']}")
-    click.echo(f"         {model_quant_type_meaning(p.description()['model_quant_type'], set(counts))}")
-    click.echo(f"{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")
-    for s in sorted(counts):
-        click.echo(f"{s:14s} {counts[s]:8d} {_gb(in_by[s]):>12s} {_gb(out_by[s]):>12s}")
-    click.echo(f"{'total':14s} {sum(counts.values()):8d} {_gb(p.in_bytes):>12s} {_gb(p.out_bytes):>12s}"
-               f"   ({p.out_bytes / max(p.in_bytes, 1):.1%} of input)")
-    biggest = max((t.in_bytes + t.out_bytes for t in p.tensors() if t.scheme != "FLOAT"), default=0)
-    click.echo(f"output   {len(p.units)} shards (max {_gb(p.max_shard_size)}), disk needed {_gb(p.out_bytes)}"
-               f" + staging window for hub sources")
-    click.echo(f"memory   ~{_gb(workers * (biggest + 64 * 1024**2) + 300 * 1024**2)} peak with {workers} workers"
-               " (largest quantized tensor in + out per worker, plus fixed buffers)")
-    if show_shards:
+        d = p.to_json()
+        d["totals"] = {**job, "tensors": sum(counts.values()), "model_quant_type": p.description()["model_quant_type"],
+                       "schemes": {s: {"tensors": counts[s], "in_bytes": in_by[s], "out_bytes": out_by[s]}
+                                   for s in sorted(counts)}}
+        try:
+            write_atomic(json_path, json.dumps(d, indent=1).encode())
+        except OSError as e:
+            raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
+    for line in plan_summary(p, job, work_dir=src.work_dir if hub else None):
+        click.echo(line)
+    if verbose or show_shards:
+        click.echo(f"\n{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")
+        for s in sorted(counts):
+            click.echo(f"{s:14s} {counts[s]:8d} {_gb(in_by[s]):>12s} {_gb(out_by[s]):>12s}")
+        click.echo(f"{'total':14s} {sum(counts.values()):8d} {_gb(p.in_bytes):>12s} {_gb(p.out_bytes):>12s}")
+        click.echo("")
         for u in p.units:
             needs = ", ".join(u.needs[:3]) + (f" (+{len(u.needs) - 3})" if len(u.needs) > 3 else "")
             click.echo(f"  {u.file}  {len(u.tensors):6d} tensors  {_gb(u.out_bytes):>10s}  <- {needs}")
+    else:
+        click.echo(f"(-v: tensors per scheme and the output shard list)")
     if json_path:
         click.echo(f"plan written to {json_path}")
+
+
+def plan_summary(p, job: dict, work_dir=None) -> list[str]:
+    """The sizing lines ``plan`` prints first: what is converted, output, disk, memory, time, model_quant_type."""
+    from .plan import explain_model_quant_type
+
+    lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
+             + f" -> {p.target} (recipe {p.recipe['name']}): {job['units']} output shard"
+             + ("s" if job["units"] != 1 else "") + f" of at most {_gb(p.max_shard_size)}",
+             f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
+             f"{_gb(job['in_bytes'])} BF16 input)"]
+    if job["disk_staging_bytes"] is None:
+        lines.append(f"disk     {_gb(job['disk_needed_bytes'])}: the output (a local source is read in place)")
+    else:
+        free = ""
+        if work_dir is not None:
+            import shutil
+
+            probe = Path(work_dir)
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            try:
+                free = f"; {_gb(shutil.disk_usage(probe).free)} free at {probe}"
+            except OSError:
+                pass
+        lines.append(f"disk     {_gb(job['disk_needed_bytes'])}: the output + a staging window of "
+                     f"{_gb(job['disk_staging_bytes'])} in --work-dir {work_dir}{free}")
+        window = (f"--max-disk is below the {_gb(job['min_max_disk_bytes'])} one output shard needs at once: "
+                  "convert would refuse it" if job["max_disk_too_small"] else
+                  f"--max-disk at least {_gb(job['min_max_disk_bytes'])} (the source shards of the largest "
+                  "output shard)")
+        lines.append(f"         {window}")
+    if job["executor"] == "local":
+        lines.append(f"memory   ~{_gb(job['memory_peak_bytes'])} peak: the driver + {job['workers']} workers x "
+                     f"{_gb(job['memory_per_worker_bytes'])} (largest quantized tensor in + out, buffers)")
+    else:
+        lines.append(f"memory   ~{_gb(job['memory_peak_bytes'])} for the driver; each Ray worker "
+                     f"~{_gb(job['memory_per_worker_bytes'])} on top of Ray's own")
+    if "wall_seconds" in job:
+        who = (f"{job['parallel']} local worker" + ("s" if job["parallel"] > 1 else "") if job["executor"] == "local"
+               else f"{job['parallel']} Ray workers, each as fast as one core here")
+        lines.append(f"time     ~{_duration(job['wall_seconds'])} on {who} ({_duration(job['core_seconds'])} of "
+                     f"one core at this machine's codec rates, ~{job['rate_gbps']:.2f} GB/s)")
+        if job.get("compile_seconds"):
+            lines.append(f"         + ~{_duration(job['compile_seconds'])} compiling the kernels (first run only)")
+        if job.get("calibrate_seconds"):
+            lines.append(f"         incl. ~{_duration(job['calibrate_seconds'])} for --calibrate")
+        if job["download_bytes"]:
+            lines.append(f"         + downloading {_gb(job['download_bytes'])}, overlapped with converting "
+                         f"(alone at 1 GB/s: {_duration(job['download_bytes'] / 1e9)})")
+    lines.append(explain_model_quant_type(p.description()))
+    return lines
 
 
 # -- convert ------------------------------------------------------------------------------------

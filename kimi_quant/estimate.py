@@ -1,0 +1,223 @@
+"""Sizing a conversion before it runs (``kimi-quant plan``): disk, memory and wall time.
+
+The time estimate is arithmetic over the plan with rates measured on this machine: every codec
+quantizes a small BF16 sample (``measure_rates``, ~1 s with the kernels cached), and the
+per-byte costs every output byte pays (written to the page cache, sha256'd for the journal) and
+every FLOAT byte pays (scanned for NaN/Inf, copied) are timed the same way. All rates are in
+CPU seconds of one core per byte, so the wall time is the core-seconds spread over the workers,
+never less than the slowest output shard. The rates are stored (``rates_path``) and reused until
+the tool version or the CPU changes; ``plan --remeasure`` takes them again.
+
+Not in the estimate: downloading a hub source (it overlaps with converting; the plan states its
+size), and reading a source that is not in the page cache (a disk slower than the codecs bounds
+the run instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .cache import cache_dir
+from .plan import Plan
+from .recipe.recipe import FLOAT
+
+#: the sample each codec quantizes: a real expert row length (K = 3584), 1024 rows (~7 MB of BF16)
+SAMPLE_SHAPE = (1024, 3584)
+#: the driver's own memory (imports, the plan, the journal) and the fixed buffers of a worker
+DRIVER_BYTES = 300 * 1024**2
+WORKER_FIXED_BYTES = 64 * 1024**2
+#: starting the driver and the workers' fork server, and writing the metadata, with the kernels cached
+STARTUP_S = 1.0
+#: compiling every numba kernel on a cold cache (the first run after installing or upgrading)
+COMPILE_S = 15.0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass
+class Rates:
+    """CPU seconds of one core per byte, measured on this machine."""
+
+    codec: dict[str, float]  # scheme -> seconds per BF16 input byte (the quantize kernel)
+    in_byte: float  # every input byte: mapped from the page cache
+    out_byte: float  # every output byte: written to the page cache and sha256'd for the journal
+    float_byte: float  # a FLOAT tensor's byte on top of that: read and scanned for NaN/Inf
+    cpu: str
+    tool_version: str
+    measured_at: str
+    where: str = ""  # "measured now" or the file they were read from (not stored)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("where")
+        return d
+
+
+def _cpu_time(fn, repeat: int = 3) -> float:
+    """Best of ``repeat`` runs in CPU seconds of this thread: robust when other work shares the cores."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t)
+    return max(best, 1e-9)
+
+
+def measure_rates() -> Rates:
+    """Time each codec, the output write + sha256 and the FLOAT scan on a seeded BF16 sample."""
+    from .dtypes import f32_to_bf16
+    from .executor.unit import _nonfinite
+    from .quant import REGISTRY, warmup
+
+    warmup()  # compiles on a cold numba cache (not part of any rate)
+    rng = np.random.default_rng(0)
+    w = f32_to_bf16((0.02 * rng.standard_normal(SAMPLE_SHAPE)).astype(np.float32))
+    codec = {}
+    for name, c in sorted(REGISTRY.items()):
+        matmul = "down" if c.check(SAMPLE_SHAPE, "down") is None else None
+        out = c.alloc(SAMPLE_SHAPE, matmul)
+        codec[name] = _cpu_time(lambda: c.quantize_bf16(w, matmul, out=out)) / w.nbytes
+    data = w.tobytes()
+    with tempfile.TemporaryFile(dir=tempfile.gettempdir()) as f:
+        def write():
+            f.seek(0)
+            f.write(data)
+        write_s = _cpu_time(write)
+        f.flush()
+
+        def read():  # as a worker reads a shard in the page cache: mapped, every page faulted in once
+            with mmap.mmap(f.fileno(), len(data), access=mmap.ACCESS_READ) as m:
+                np.frombuffer(m, np.uint8)[::4096].sum()
+        read_s = _cpu_time(read)
+    sha_s = _cpu_time(lambda: hashlib.sha256(data).digest())
+    scan_s = _cpu_time(lambda: _nonfinite(w, "BF16"))
+    return Rates(codec=codec, in_byte=read_s / len(data), out_byte=(write_s + sha_s) / len(data),
+                 float_byte=scan_s / len(data),
+                 cpu=_cpu_name(), tool_version=__version__, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 where="measured now")
+
+
+def rates_path() -> Path:
+    return cache_dir() / "codec_rates.json"
+
+
+def load_rates(remeasure: bool = False) -> Rates:
+    """The stored rates of this machine and tool version, else measured now (and stored)."""
+    path = rates_path()
+    if not remeasure:
+        try:
+            d = json.loads(path.read_text())
+            r = Rates(**d)
+            if r.tool_version == __version__ and r.cpu == _cpu_name() and r.codec:
+                r.where = str(path)
+                return r
+        except (OSError, ValueError, TypeError):
+            pass
+    r = measure_rates()
+    try:
+        from .write import write_json_atomic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, r.to_json())
+    except OSError:
+        pass  # a read-only cache costs a measurement next time, nothing else
+    return r
+
+
+def unit_core_seconds(plan: Plan, rates: Rates) -> list[float]:
+    """CPU seconds of one core per output shard."""
+    out = []
+    for u in plan.units:
+        s = 0.0
+        for t in u.tensors:
+            per_in = rates.float_byte if t.scheme == FLOAT else rates.codec.get(t.scheme, max(rates.codec.values()))
+            s += t.in_bytes * (per_in + rates.in_byte) + t.out_bytes * rates.out_byte
+        out.append(s)
+    return out
+
+
+def calibrate_seconds(plan: Plan, rates: Rates, workers: int) -> float | None:
+    """Wall seconds ``convert --calibrate`` adds, or None while that option does not exist.
+
+    Hook for the calibration feature: return its estimate here and ``plan`` prints it as a line
+    of its own and adds it to the total (``size_job``)."""
+    return None
+
+
+def kernels_cached() -> bool | None:
+    """Whether numba has the kernels cached next to their source (None: cannot tell, e.g. the
+    cache lives in NUMBA_CACHE_DIR or a per-user directory)."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return None
+    pycache = Path(__file__).parent / "quant" / "__pycache__"
+    if not os.access(Path(__file__).parent / "quant", os.W_OK):
+        return None
+    return any(pycache.glob("kernels.*.nbi"))
+
+
+def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "local", hub: bool = False,
+             max_disk: int | None = None, input_sizes: dict[str, int] | None = None) -> dict:
+    """Disk, memory and time of converting ``plan`` (all numbers; ``plan`` prints them, --json stores them).
+
+    ``hub``: the source is staged shard by shard (``max_disk`` bytes at most; without it the staging
+    default of two shards, or the shards of the largest output shard when that is more)."""
+    sizes = input_sizes or plan.inputs
+    needs = [sum(sizes.get(f, 0) for f in u.needs) for u in plan.units]
+    min_window = max(needs, default=0)
+    staging = None
+    if hub:
+        if max_disk is not None:
+            staging = min(max(max_disk, min_window), sum(sizes.values()))
+        else:
+            staging = max(min_window, sum(sorted(sizes.values())[-2:]))
+    biggest = max((t.in_bytes + t.out_bytes for t in plan.tensors() if t.scheme != FLOAT), default=0)
+    cores = os.cpu_count() or 1
+    parallel = max(1, min(workers, len(plan.units) or 1, cores if executor == "local" else workers))
+    per_worker = biggest + WORKER_FIXED_BYTES
+    job = {
+        "in_bytes": plan.in_bytes, "out_bytes": plan.out_bytes, "units": len(plan.units),
+        "disk_output_bytes": plan.out_bytes,
+        "disk_staging_bytes": staging,
+        "disk_needed_bytes": plan.out_bytes + (staging or 0),
+        "min_max_disk_bytes": min_window if hub else None,
+        "max_disk_too_small": bool(hub and max_disk is not None and max_disk < min_window),
+        "workers": workers, "executor": executor, "parallel": parallel,
+        "memory_per_worker_bytes": per_worker,
+        # local: the driver and its workers on this machine; Ray: the driver here, each task where Ray puts it
+        "memory_peak_bytes": DRIVER_BYTES + (workers * per_worker if executor == "local" else 0),
+        "download_bytes": sum(sizes.values()) if hub else 0,
+    }
+    if rates is not None:
+        per_unit = unit_core_seconds(plan, rates)
+        core_s = sum(per_unit)
+        cached = kernels_cached()
+        compute = max(core_s / parallel, max(per_unit, default=0.0))
+        calib = calibrate_seconds(plan, rates, workers)
+        job.update({
+            "core_seconds": round(core_s, 3),
+            "wall_seconds": round(STARTUP_S + compute + (calib or 0.0), 3),
+            "compile_seconds": 0.0 if cached or executor == "ray" else COMPILE_S if cached is False else None,
+            "calibrate_seconds": calib,
+            "rate_gbps": round(plan.in_bytes / max(compute, 1e-9) / 1e9, 3),
+            "rates": {**rates.to_json(), "from": rates.where},
+        })
+    return job
