@@ -1,0 +1,135 @@
+"""The operator's view of a job: ``plan`` sizes it, a re-run names what changed, a failed validation
+gates verify and publish, progress numbers that do not mislead, and the CLI's conventions."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import JOURNAL_NAME, error_line, kq, target_args
+
+PROVENANCE = "kimi_quant_provenance.json"
+VALIDATION = "kimi_quant_validation.json"
+
+
+@pytest.fixture
+def cache_env(tmp_path):
+    """A private kimi-quant cache (codec rates, staging) for the subprocesses."""
+    return {"KIMI_QUANT_CACHE": str(tmp_path / "kq-cache")}
+
+
+# -- 1. plan sizes the job ----------------------------------------------------------------------------
+def _numbers(line: str) -> list[float]:
+    return [float(x) for x in re.findall(r"(\d+(?:\.\d+)?) (?:GB|MB)", line)]
+
+
+def test_plan_sizes_the_job_first(tiny_source, tmp_path, cache_env):
+    r = kq("plan", tiny_source, "-t", "950dt", "--workers", "3", "--json", tmp_path / "p.json", env=cache_env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    heads = [ln.split()[0] for ln in lines[:7]]
+    assert heads == ["plan", "output", "disk", "memory", "time", "quant", "(-v:"], r.stdout
+    totals = json.loads((tmp_path / "p.json").read_text())["totals"]
+    # the printed numbers are the JSON totals
+    assert totals["disk_staging_bytes"] is None and totals["disk_needed_bytes"] == totals["out_bytes"]
+    assert "local source is read in place" in lines[2] and "staging" not in r.stdout
+    assert totals["workers"] == 3 and "3 workers" in lines[3]
+    assert totals["memory_peak_bytes"] == 300 * 1024**2 + 3 * totals["memory_per_worker_bytes"]
+    assert totals["wall_seconds"] > 0 and totals["core_seconds"] > 0
+    assert set(totals["rates"]["codec"]) >= {"W4A8_MXFP", "W8A8_MXFP8", "W4A8_DYNAMIC", "W8A8_DYNAMIC"}
+    assert totals["model_quant_type"] == "W4A8_MXFP"
+    assert "model_quant_type W4A8_MXFP: the highest type present" in lines[5]
+    assert sum(s["out_bytes"] for s in totals["schemes"].values()) == totals["out_bytes"]
+    assert "quant_model_weights-00001" not in r.stdout  # the shard list only on request
+    # the rates were stored and are reused
+    assert (tmp_path / "kq-cache" / "codec_rates.json").is_file()
+    again = kq("plan", tiny_source, "-t", "950dt", "--workers", "3", "--json", tmp_path / "q.json", env=cache_env)
+    assert json.loads((tmp_path / "q.json").read_text())["totals"]["rates"]["from"].endswith("codec_rates.json")
+
+
+def test_plan_shards_on_request(tiny_source, cache_env):
+    for flag in ("-v", "--shards"):
+        r = kq("plan", tiny_source, "-t", "a3", "--max-shard-size", "1MB", flag, env=cache_env)
+        assert r.returncode == 0, r.stderr
+        shards = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("quant_model_weights-")]
+        assert len(shards) == 3, r.stdout
+        assert "W4A8_DYNAMIC" in r.stdout  # the scheme table
+
+
+def test_plan_time_scales_with_workers(tmp_path, cache_env):
+    """More workers, less wall time (never below the slowest shard); Ray workers beyond the cores count."""
+    from kimi_quant.estimate import Rates, size_job
+    from kimi_quant.plan import Plan, TensorPlan, UnitPlan
+
+    units = [UnitPlan(f"u{i}", [TensorPlan(f"t{i}", f"s{i}", "BF16", [1024, 1024], "W4A8_MXFP", None,
+                                           [[f"t{i}", "U8", [1024, 512]]])]) for i in range(8)]
+    p = Plan("src", None, "950dt", 32, {"name": "r"}, 1 << 30, {f"s{i}": 2 << 20 for i in range(8)}, units)
+    rates = Rates({"W4A8_MXFP": 1e-7}, 0.0, 0.0, 0.0, "cpu", "v", "now")
+    one = size_job(p, rates, workers=1, executor="ray")
+    eight = size_job(p, rates, workers=8, executor="ray")
+    many = size_job(p, rates, workers=64, executor="ray")
+    assert one["core_seconds"] == pytest.approx(8 * 2 * 1024 * 1024 * 1e-7, rel=1e-3)
+    assert eight["wall_seconds"] - 1 == pytest.approx((one["wall_seconds"] - 1) / 8, rel=1e-2)
+    assert many["wall_seconds"] == eight["wall_seconds"]  # 8 shards: at most 8 run at once
+    hub = size_job(p, rates, workers=2, hub=True, max_disk=5 << 21)
+    assert hub["disk_staging_bytes"] == 5 << 21 and hub["disk_needed_bytes"] == p.out_bytes + (5 << 21)
+    assert hub["min_max_disk_bytes"] == 2 << 20 and not hub["max_disk_too_small"]
+    assert size_job(p, rates, workers=2, hub=True, max_disk=1 << 20)["max_disk_too_small"]
+
+
+def test_plan_estimate_within_reach_of_a_measured_convert(mid_source, tmp_path, cache_env):
+    """The plan's core-seconds are the same order as a real conversion's (a loaded CI box: a wide band)."""
+    import os
+    import resource
+
+    r = kq("plan", mid_source, *target_args("a3"), "--workers", "1", "--json", tmp_path / "p.json", env=cache_env)
+    assert r.returncode == 0, r.stderr
+    est = json.loads((tmp_path / "p.json").read_text())["totals"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    c = kq("convert", mid_source, *target_args("a3"), "--workers", "1", "-o", tmp_path / "out", "-q", env=cache_env)
+    assert c.returncode == 0, c.stderr
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    assert used / 20 < est["wall_seconds"] < used * 20, (est["wall_seconds"], used, os.cpu_count())
+
+
+def test_plan_local_source_ignores_staging_options(tiny_source, cache_env, tmp_path):
+    r = kq("plan", tiny_source, "-t", "a3", "--max-disk", "1GB", "--work-dir", tmp_path / "w", env=cache_env)
+    assert r.returncode == 0, r.stderr
+    assert "warning: --work-dir, --max-disk ignored" in r.stderr and "local directory" in r.stderr
+    assert not (tmp_path / "w").exists()
+    line = error_line(kq("plan", tiny_source, "-t", "a3", "--revision", "v1", env=cache_env).stderr)
+    assert "--revision v1" in line and "local directory" in line
+
+
+def test_plan_hub_source_staging_window(tiny_source, tmp_path, cache_env):
+    """A hub source: disk = output + staging window for --max-disk, and the minimum window."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hubtools.olah_harness import find_olah, shared_olah
+
+    if find_olah() is None:
+        pytest.skip("olah not installed (run scripts/install_olah.sh or set KIMI_QUANT_OLAH_CLI)")
+    server = shared_olah()
+    repo = server.new_repo("plansize")
+    repo.commit({p.relative_to(tiny_source).as_posix(): p for p in sorted(Path(tiny_source).rglob("*"))
+                 if p.is_file()}, message="ckpt")
+    env = {**cache_env, "HF_ENDPOINT": server.endpoint, "HF_HUB_OFFLINE": "0"}
+    r = kq("plan", repo.repo_id, "-t", "a3", "--max-disk", "50MB", "--work-dir", tmp_path / "stage",
+           "--json", tmp_path / "p.json", env=env)
+    assert r.returncode == 0, r.stderr
+    totals = json.loads((tmp_path / "p.json").read_text())["totals"]
+    size = sum(p.stat().st_size for p in Path(tiny_source).glob("*.safetensors"))
+    assert totals["disk_staging_bytes"] == size  # the window is capped at the whole source
+    assert totals["disk_needed_bytes"] == totals["out_bytes"] + size
+    assert totals["download_bytes"] == size
+    disk = [ln for ln in r.stdout.splitlines() if ln.startswith("disk")][0]
+    assert "staging window" in disk and str(tmp_path / "stage") in disk
+    assert "downloading" in r.stdout
+    small = kq("plan", repo.repo_id, "-t", "a3", "--max-disk", "100KB", "--work-dir", tmp_path / "stage", env=env)
+    assert "convert would refuse it" in small.stdout, small.stdout + small.stderr
