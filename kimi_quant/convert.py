@@ -76,10 +76,20 @@ def _plan_summary(plan: Plan) -> dict:
             "recipe_sha256": plan.recipe.get("sha256"), "tool_version": plan.tool_version}
 
 
-def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = ()) -> Journal:
+def plan_options(plan: Plan, opts: ConvertOptions) -> dict:
+    """The options that made ``plan``, as the journal records them (``journal.PLAN_OPTIONS``): a re-run
+    that differs names them, and the command that finishes the output is built from them."""
+    return {"source": plan.source, "target": plan.target,
+            "recipe": str(Path(opts.recipe).resolve()) if opts.recipe else None, "overrides": list(opts.overrides),
+            "max_shard_size": plan.max_shard_size, "revision": plan.revision}
+
+
+def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = (),
+                   options: dict | None = None) -> Journal:
     """Open (or start) the journal, refusing to mix two conversions in one directory. The caller holds
     the directory's lock (``output_lock``). ``will_write``: files besides the shards this run writes
-    (``--overwrite`` refuses to replace one of them that kimi-quant did not write)."""
+    (``--overwrite`` refuses to replace one of them that kimi-quant did not write). ``options``: the
+    options that made the plan, recorded in the journal (``plan_options``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = Journal(out_dir)
     summary = _plan_summary(plan)
@@ -94,14 +104,14 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[
                              "(--overwrite only replaces an earlier kimi-quant output)")
     differs = journal.start is not None and journal.start.get("fingerprint") != fingerprint
     if differs and not overwrite:
-        check_same_conversion(journal, fingerprint, summary, out_dir)
+        check_same_conversion(journal, fingerprint, summary, out_dir, options)
     if differs and overwrite:
         _clear_output(out_dir, journal, will_write)
         journal = Journal(out_dir)
     for stale in out_dir.rglob("*.partial"):  # copied files may live in subdirectories
         stale.unlink()
     if journal.start is None:
-        journal.begin(fingerprint, summary)
+        journal.begin(fingerprint, {**summary, **({"options": options} if options is not None else {})})
     return journal
 
 
@@ -161,7 +171,8 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()  # two runs into one directory would mix their shards (released in finally)
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
-        journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"])
+        journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"],
+                                 plan_options(plan, opts))
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
         ok = True

@@ -133,3 +133,26 @@ def test_plan_hub_source_staging_window(tiny_source, tmp_path, cache_env):
     assert "downloading" in r.stdout
     small = kq("plan", repo.repo_id, "-t", "a3", "--max-disk", "100KB", "--work-dir", tmp_path / "stage", env=env)
     assert "convert would refuse it" in small.stdout, small.stdout + small.stderr
+
+
+# -- 2. a re-run that differs names the options and the command that finishes the output -------------
+def test_rerun_with_a_left_out_option_names_it(tiny_source, tmp_path):
+    out = tmp_path / "out"
+    first = kq("convert", tiny_source, *target_args("a3"), "--max-shard-size", "1MB", "--override",
+               "*.layers.3.*=FLOAT", "-o", out, "-q")
+    assert first.returncode == 0, first.stderr
+    before = sorted(p.name for p in out.iterdir())
+    r = kq("convert", tiny_source, *target_args("a3"), "-o", out, "-q")
+    line = error_line(r.stderr)
+    assert "--max-shard-size was 1000000, now 4294967296" in line
+    assert "--override was '*.layers.3.*=FLOAT', now not given" in line
+    assert "discarding its 3 finished shards" in line
+    cmd = line.split("the command that finishes it: ")[1]
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing touched
+    import shlex
+
+    args = shlex.split(cmd)
+    assert args[:2] == ["kimi-quant", "convert"] and "--max-shard-size" in args and "--override" in args
+    again = kq(*args[1:], "-q")  # the printed command finishes (here: re-verifies) the output
+    assert again.returncode == 0, again.stderr
+    assert kq("verify", out).returncode == 0
