@@ -373,42 +373,46 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
 
 
 def _validate_after(source, out_dir, max_ppl_increase, quiet):
-    from .layout.ascend_v1 import PROVENANCE, VALIDATION
-    from .validate.run import format_table, run_validation
-    from .write import write_json_atomic
-
     from .lock import output_lock
+    from .validate.gate import record
+    from .validate.run import format_table, run_validation
 
     lock = output_lock(out_dir).acquire()  # it writes into the output: no convert there meanwhile
     try:
-        report = run_validation(source, out_dir, json_path=str(Path(out_dir) / VALIDATION), progress=False)
+        report = run_validation(source, out_dir, progress=False)
         if not quiet:
             click.echo(format_table(report))
-        increase = (report["ratio"] - 1) * 100
-        passed = max_ppl_increase is None or increase <= max_ppl_increase
-        prov_path = Path(out_dir) / PROVENANCE
-        prov = json.loads(prov_path.read_text())
-        prov["validation"] = {"ppl_bf16": report["ppl_bf16"], "ppl_quant": report["ppl_quant"],
-                              "ratio": report["ratio"], "max_ppl_increase_pct": max_ppl_increase, "passed": passed}
-        write_json_atomic(prov_path, prov)
+        record(out_dir, report, max_ppl_increase)
     finally:
         lock.release()
-    if not passed:
-        raise ValidationFailed(f"validation failed: perplexity rose {increase:.2f}% (bound {max_ppl_increase}%); "
-                             f"the output stays in {out_dir}, marked as failing in its provenance")
 
 
 # -- verify ------------------------------------------------------------------------------------
-@main.command(short_help="Check an output: hashes, index, description, shapes.")
+@main.command(short_help="Check an output: hashes, index, description, shapes, validation.")
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--no-rehash", is_flag=True, help="Skip re-hashing shards (sizes and headers are still checked).")
 def verify(output, no_rehash):
-    """Check an output directory: shards against the journal, index, description, shapes."""
+    """Check an output directory: shards against the journal, index, description, shapes.
+
+    Exit code 2 when the output is damaged or incomplete, 3 when it is intact but its recorded
+    validation failed (perplexity above --max-ppl-increase)."""
     from .verify import verify_output
+
+    from .validate.gate import failed_validation
 
     r = verify_output(output, rehash=not no_rehash, quiet=False)
     click.echo(f"ok: {r['shards']} shards, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
     click.echo(f"    {r['model_quant_type_meaning']}")
+    v = r.get("validation")
+    failed = failed_validation(v)
+    if failed:
+        raise ValidationFailed(f"{output}: {failed} (publish refuses it unless --force)")
+    if isinstance(v, dict) and all(isinstance(v.get(k), (int, float)) for k in ("ratio", "ppl_bf16", "ppl_quant")):
+        bound = f", bound {v['max_ppl_increase_pct']}%" if v.get("max_ppl_increase_pct") is not None else ", no bound"
+        click.echo(f"validated: perplexity {(v['ratio'] - 1) * 100:+.2f}% vs BF16 ({v['ppl_bf16']:.4f} -> "
+                   f"{v['ppl_quant']:.4f}{bound})")
+    elif not v:
+        click.echo("not validated (kimi-quant validate BF16_DIR OUTPUT measures perplexity)")
 
 
 # -- synth -------------------------------------------------------------------------------------

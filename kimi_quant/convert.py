@@ -20,8 +20,9 @@ from .executor import make_executor
 from .hashing import sha256_files
 from .journal import Journal, check_same_conversion
 from .lock import OUTPUT_LOCK, output_lock
-from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDATION, files_to_copy, provenance,
-                               write_metadata_files)
+from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDATION, files_to_copy, output_name,
+                               provenance, write_metadata_files)
+from .layout.model_card import CARD
 from .model.spec import load_model_spec_from_source
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from .recipe import load_recipe
@@ -171,7 +172,8 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()  # two runs into one directory would mix their shards (released in finally)
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
-        journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"],
+        journal = prepare_output(out_dir, plan, opts.overwrite,
+                                 [*map(output_name, files_to_copy(source)), "config.json", CARD],
                                  plan_options(plan, opts))
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
@@ -240,7 +242,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     done = journal.verified_units(out_dir, made_from, quiet=opts.quiet)
     todo = [u for u in plan.units if u.file not in done]
     if todo:  # shards will change: until the run ends the output must not look loadable (nor validated)
-        for name in (DESCRIPTION, INDEX, VALIDATION):
+        for name in (DESCRIPTION, INDEX, VALIDATION, CARD):  # the card: its numbers are about to be stale
             (out_dir / name).unlink(missing_ok=True)
         journal.reopen()
     claimed = {}  # local files whose sha256 only a huggingface_hub record claims (a blobs/<sha> link, an etag)
@@ -317,9 +319,9 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     units = {u.file: {k: journal.units[u.file][k] for k in ("size", "sha256")} for u in plan.units}
     prov = provenance(plan, inputs, dict(sorted(units.items())))
     _carry_validation(out_dir, prov)
-    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, *files_to_copy(source)]
+    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, CARD, *map(output_name, files_to_copy(source))]
     journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
     write_metadata_files(out_dir, plan, source, prov)
-    journal.mark_complete([n for n in around if n != PROVENANCE])
+    journal.mark_complete([n for n in around if n not in (PROVENANCE, CARD)])  # validate rewrites these
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
                          sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))

@@ -2,6 +2,8 @@
 
 Re-hashes every shard against the journal, reads every header, and checks that index,
 description and tensor shapes agree with what each ascendV1 type requires. Runs before publish.
+A validation recorded as failed (``--max-ppl-increase``) is reported after the structure checks
+(``verify`` exits 3, ``publish`` refuses it unless ``--force``).
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def _check_top_level(out_dir: Path, desc: dict) -> None:
         raise _fail(out_dir, f"{DESCRIPTION}: group_size {desc['group_size']!r} but the int path needs 0")
 
 
-def _check_provenance(out_dir: Path, journal: Journal) -> None:
+def _check_provenance(out_dir: Path, journal: Journal) -> dict:
     """The provenance names the same conversion and the same shards (size, sha256) as the journal."""
     prov = _load_json(out_dir, PROVENANCE)
     if prov.get("plan_fingerprint") != journal.start.get("fingerprint"):
@@ -133,6 +135,7 @@ def _check_provenance(out_dir: Path, journal: Journal) -> None:
         got = got if isinstance(got, dict) else {}
         if got.get("sha256") != rec["sha256"] or got.get("size") != rec["size"]:
             raise _fail(out_dir, f"{PROVENANCE}: record of {f} differs from the journal")
+    return prov
 
 
 def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) -> dict:
@@ -205,10 +208,12 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     _check_top_level(out_dir, desc)
     if rehash:
         _check_finite(out_dir, files, desc)
-    _check_provenance(out_dir, journal)
+    prov = _check_provenance(out_dir, journal)
     config = _load_json(out_dir, "config.json")
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise _fail(out_dir, "config.json still has quantization_config")
     return {"shards": len(files), "tensors": len(shapes), "bytes": total,
             "model_quant_type": desc["model_quant_type"],
-            "model_quant_type_meaning": model_quant_type_meaning(desc["model_quant_type"], set(tensor_types.values()))}
+            "model_quant_type_meaning": model_quant_type_meaning(desc["model_quant_type"], set(tensor_types.values())),
+            "validation": prov.get("validation")}
+

@@ -172,7 +172,12 @@ class LocalExecutor:
     def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
             self._launcher.join()  # the workers exist (interruptible: the launch goes on without us)
-            return _explained(self._pool.submit(_run_unit, unit, paths, out_dir), unit["file"])
+            try:
+                inner = self._pool.submit(_run_unit, unit, paths, out_dir)
+            except BrokenProcessPool as e:  # a worker died before this unit was handed out
+                inner = Future()
+                inner.set_exception(e)
+            return _explained(inner, unit["file"])
         fut: Future = Future()
         try:
             fut.set_result(convert_unit(unit, paths, out_dir, progress=self.on_progress))
