@@ -52,6 +52,12 @@ def _gb(n: int | float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _rate(n: int, seconds: float) -> str:
+    """Bytes per second in GB/s, or MB/s / kB/s where GB/s would read 0.00."""
+    r = n / max(seconds, 1e-9)
+    return f"{r / 1e9:.2f} GB/s" if r >= 1e8 else f"{r / 1e6:.2f} MB/s" if r >= 1e5 else f"{r / 1e3:.1f} kB/s"
+
+
 def _os_message(e: OSError) -> str:
     """'PATH: reason' (as the shell says it) for an OSError the user can fix: read-only, missing, full disk."""
     reason = e.strerror or str(e)
@@ -74,10 +80,11 @@ class _Group(click.Group):
             self._fail(ctx, e.format_message(), 2)
         except OSError as e:  # unwritable or missing paths: the user's to fix, not a bug
             self._fail(ctx, _os_message(e), 2)
-        except KeyboardInterrupt:
-            resumable = ctx.invoked_subcommand in ("convert", "demo")
-            click.echo("kimi-quant: interrupted" + ("; re-run the same command to resume" if resumable else ""),
-                       err=True)
+        except KeyboardInterrupt as e:
+            if not getattr(e, "reported", False):  # convert says it the moment it happens
+                resumable = ctx.invoked_subcommand in ("convert", "demo")
+                click.echo("kimi-quant: interrupted" + ("; re-run the same command to resume" if resumable else ""),
+                           err=True)
             sys.exit(130)
 
     @staticmethod
@@ -253,7 +260,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 
     lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
              + f" -> {p.target} (recipe {p.recipe['name']}): {job['units']} output shard"
-             + ("s" if job["units"] != 1 else "") + f" of at most {_gb(p.max_shard_size)}",
+             + ("s" if job["units"] != 1 else "") + f" (max {_gb(p.max_shard_size)})",
              f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
              f"{_gb(job['in_bytes'])} BF16 input)"]
     if job["disk_staging_bytes"] is None:
@@ -355,9 +362,12 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
     if not quiet:
         counts = ", ".join(f"{s} {n}" for s, n in sorted(p.scheme_counts().items()))
         if res.converted_units:
-            click.echo(f"done in {res.seconds:.1f} s: {res.converted_units} shards written"
+            startup = (f" ({res.startup_seconds:.1f} s of it loading the kernels"
+                       + (", compiled on this first run" if res.startup_seconds > 5 else "") + ")"
+                       if res.startup_seconds and res.startup_seconds >= 1 else "")
+            click.echo(f"done in {res.seconds:.1f} s{startup}: {res.converted_units} shards written"
                        + (f", {res.reused_units} verified and kept" if res.reused_units else "")
-                       + f"; {_gb(res.in_bytes_done)} in at {res.gbps:.2f} GB/s")
+                       + f"; {_gb(res.in_bytes_done)} in at {_rate(res.in_bytes_done, res.work_seconds)}")
         else:
             click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {res.reused_units} shards verified and kept")
         click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {len(p.units)} shards; tensors: {counts}")

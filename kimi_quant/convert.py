@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import sys
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -31,6 +34,9 @@ from .targets import resolve_target
 from .untrusted import inside
 
 log = logging.getLogger(__name__)
+
+
+INTERRUPTED = "kimi-quant: interrupted; re-run the same command to resume"
 
 
 @dataclass
@@ -59,10 +65,16 @@ class ConvertResult:
     reused_units: int
     in_bytes_done: int
     peak_staged_bytes: int | None = None
+    startup_seconds: float | None = None  # until the kernels were loaded (compiled on a cold numba cache)
+
+    @property
+    def work_seconds(self) -> float:
+        """The conversion proper: from the kernels being ready to the end."""
+        return self.seconds - (self.startup_seconds or 0.0)
 
     @property
     def gbps(self) -> float:
-        return self.in_bytes_done / max(self.seconds, 1e-9) / 1e9
+        return self.in_bytes_done / max(self.work_seconds, 1e-9) / 1e9
 
 
 def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(), max_shard_size=DEFAULT_MAX_SHARD_SIZE):
@@ -179,6 +191,10 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
         ok = True
         return result
+    except KeyboardInterrupt as e:  # say so at once: stopping the workers may take a moment
+        print(INTERRUPTED, file=sys.stderr, flush=True)
+        e.reported = True  # the CLI does not say it twice
+        raise
     finally:
         if executor is not None:
             executor.shutdown(abort=not ok)
@@ -263,15 +279,11 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     total = sum(u.in_bytes for u in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
-    # Until the first bytes are done the bar would sit at 0% with no word why (workers loading the
-    # kernels: ~20 s the first time, while numba compiles them; or the first hub shard downloading).
-    bar.set_postfix_str("starting: workers load the kernels (compiled on the first run)"
-                        + ("; first shards downloading" if getattr(source, "can_stage", None) else ""))
+    waiting = _WaitingBar(bar, executor, staging=bool(getattr(source, "can_stage", None)))
 
     def advance(n: int) -> None:
-        if bar.postfix:
-            bar.set_postfix_str("", refresh=False)
-        bar.update(n)
+        waiting.done()
+        bar.update(min(n, bar.total - bar.n))  # progress still queued after the end must not pass 100%
 
     executor.on_progress = advance
     users = Counter(f for u in todo for f in u.needs)
@@ -302,7 +314,9 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                     users[f] -= 1
                     if users[f] == 0:
                         source.release(f)
+        advance(bar.total - bar.n)  # every unit is done: the last frame (in a log too) says 100%
     finally:
+        waiting.done()
         bar.close()
     late = sorted(unhashed)  # shards whose units were all done by an earlier run
     for f, sha in zip(late, sha256_files([source.fetch(f) for f in late], desc="hash inputs", quiet=opts.quiet)):
@@ -323,5 +337,49 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
     write_metadata_files(out_dir, plan, source, prov)
     journal.mark_complete([n for n in around if n not in (PROVENANCE, CARD)])  # validate rewrites these
-    return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
-                         sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))
+    end = time.perf_counter()
+    ready = getattr(executor, "ready_at", None)
+    return ConvertResult(plan, out_dir, end - t0, len(todo), len(done), sum(u.in_bytes for u in todo),
+                         getattr(source, "peak_staged_bytes", None),
+                         startup_seconds=(ready - t0) if ready is not None and t0 <= ready <= end else None)
+
+
+class _WaitingBar:
+    """Until the first bytes are done the bar would sit at 0% and 00:00 with no word why: the workers
+    load the kernels (~15 s the first time, while numba compiles them) or the first hub shards download.
+    Say so, keep the clock ticking on a terminal, and leave the wait out of the bar's rate (else its
+    first ETA is hours)."""
+
+    def __init__(self, bar, executor, staging: bool):
+        from .estimate import kernels_cached
+
+        self.bar = bar
+        self.executor = executor
+        self.staging = staging
+        self._stop = threading.Event()
+        if bar.disable:
+            self._stop.set()
+            return
+        what = "compiling kernels (first run only, ~15 s)" if kernels_cached() is False else "loading kernels"
+        bar.set_postfix_str(what + ("; first shards downloading" if staging else ""))
+        if getattr(bar.fp, "isatty", lambda: False)():
+            threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        ready = getattr(self.executor, "ready", None)
+        while not self._stop.wait(0.5):
+            if ready is not None and ready.is_set() and "kernels" in self.bar.postfix:
+                self.bar.set_postfix_str("first shards downloading" if self.staging else "", refresh=False)
+            self.bar.refresh()
+
+    def done(self) -> None:
+        """Work has started (the first progress) or ended."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self.bar.postfix:
+            self.bar.set_postfix_str("", refresh=False)
+        if self.bar.n == 0:
+            # The rate counts from the first progress on (not the start, nor the kernels being ready): the
+            # first tensor's latency (opening shards, a small first tensor) would make the first ETA absurd.
+            self.bar.last_print_t = self.bar._time()

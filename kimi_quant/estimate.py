@@ -164,14 +164,15 @@ def calibrate_seconds(plan: Plan, rates: Rates, workers: int) -> float | None:
 
 
 def kernels_cached() -> bool | None:
-    """Whether numba has the kernels cached next to their source (None: cannot tell, e.g. the
-    cache lives in NUMBA_CACHE_DIR or a per-user directory)."""
+    """Whether numba has the kernels cached: in NUMBA_CACHE_DIR when set, else next to their source
+    (None: cannot tell, the source directory is read-only and numba uses a per-user directory)."""
     if os.environ.get("NUMBA_CACHE_DIR"):
+        root = Path(os.environ["NUMBA_CACHE_DIR"])
+        return any("kimi_quant" in str(p.parent) for p in root.rglob("kernels.*.nbi")) if root.is_dir() else False
+    quant = Path(__file__).parent / "quant"
+    if not os.access(quant, os.W_OK):
         return None
-    pycache = Path(__file__).parent / "quant" / "__pycache__"
-    if not os.access(Path(__file__).parent / "quant", os.W_OK):
-        return None
-    return any(pycache.glob("kernels.*.nbi"))
+    return any((quant / "__pycache__").glob("kernels.*.nbi"))
 
 
 def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "local", hub: bool = False,

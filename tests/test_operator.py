@@ -245,3 +245,78 @@ def test_validate_and_convert_validate_record_the_same(converted_tiny, tmp_path)
     pa, pb = (json.loads((d / PROVENANCE).read_text())["validation"] for d in (a, b))
     assert pa == pb
     assert (a / "README.md").read_text() == (b / "README.md").read_text()
+
+
+# -- 5. numbers that do not mislead ----------------------------------------------------------------------
+def _frames(stderr: str) -> list[str]:
+    return [f for f in stderr.replace("\r", "\n").splitlines() if f.startswith("convert ")]
+
+
+def test_small_convert_rate_and_last_frame(tiny_source, tmp_path):
+    r = kq("convert", tiny_source, *target_args("a3"), "-o", tmp_path / "out")
+    assert r.returncode == 0, r.stderr
+    done = [ln for ln in r.stdout.splitlines() if ln.startswith("done in")][0]
+    assert "0.00 GB/s" not in done and re.search(r"in at \d+\.\d+ (MB|kB|GB)/s$", done), done
+    frames = _frames(r.stderr)
+    assert frames[-1].startswith("convert a3: 100%"), frames  # a log's last frame is the end
+    assert any("kernels" in f for f in frames[:3]), frames  # the wait before the first bytes is named
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_kernel_loading_is_left_out_of_the_rate(tiny_source, tmp_path, workers):
+    from kimi_quant.convert import ConvertOptions, convert
+
+    res = convert(str(tiny_source), ConvertOptions(target="a3", output=tmp_path / "out", workers=workers, quiet=True))
+    assert res.startup_seconds is not None and 0 < res.startup_seconds < res.seconds
+    assert res.gbps == pytest.approx(res.in_bytes_done / (res.seconds - res.startup_seconds) / 1e9)
+
+
+def test_ctrl_c_while_compiling_kernels_stops_at_once(tiny_source, tmp_path):
+    """A cold numba cache (a fresh NUMBA_CACHE_DIR): the bar says it compiles, a Ctrl-C ends the run in
+    a moment with one line instead of waiting for the compilation."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NUMBA_CACHE_DIR": str(tmp_path / "numba-cold")}
+    env.pop("KIMI_QUANT_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "kimi_quant.cli", "convert", str(tiny_source), "-t", "a3", "-o",
+                          str(tmp_path / "out"), "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, start_new_session=True)
+    time.sleep(2.0)  # planned and compiling (a cold compile takes 10 s or more)
+    if p.poll() is not None:
+        pytest.skip("finished before the interrupt")
+    t = time.monotonic()
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    took = time.monotonic() - t
+    assert p.returncode == 130, err
+    assert took < 5, f"{took:.1f} s from Ctrl-C to exit"
+    assert any("compiling kernels" in f for f in _frames(err)), err
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("convert ")]
+    assert lines == ["kimi-quant: interrupted; re-run the same command to resume"], err
+
+
+def test_no_leaked_semaphore_warning_after_kill_9(mid_source, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "kimi_quant.cli", "convert", str(mid_source), *target_args("a3"),
+                          "-o", str(out), "--max-shard-size", "1MB", "--workers", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    journal = out / JOURNAL_NAME
+    while p.poll() is None and not (journal.exists() and '"unit"' in journal.read_text()):
+        time.sleep(0.005)
+    if p.poll() is not None:
+        p.communicate()
+        pytest.skip("finished before it could be killed")
+    os.kill(p.pid, signal.SIGKILL)  # the driver alone: its workers and the resource tracker outlive it briefly
+    _, err = p.communicate(timeout=60)  # returns once every process holding the pipes is gone
+    assert "leaked semaphore" not in err, err
