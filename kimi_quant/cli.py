@@ -67,6 +67,14 @@ def _os_message(e: OSError) -> str:
 
 
 class _Group(click.Group):
+    def parse_args(self, ctx, args):
+        # --debug is accepted anywhere on the line (kimi-quant convert ... --debug), not only before the command
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end] and args[:1] != ["--debug"]:
+            args = [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]
+            ctx.meta["kq_debug"] = True
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         # Subcommands parse their options inside Group.invoke, so bad option values land here as well.
         try:
@@ -98,8 +106,7 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kimi-quant")
 @click.option("--debug", is_flag=True, envvar="KIMI_QUANT_DEBUG",
-              help="Show tracebacks on errors (give it before the command: kimi-quant --debug convert ...; "
-                   "or set KIMI_QUANT_DEBUG=1).")
+              help="Show tracebacks on errors (before or after the command, or KIMI_QUANT_DEBUG=1).")
 @click.pass_context
 def main(ctx, debug):
     """Convert BF16 Kimi K3 / K3.1 checkpoints into Ascend ascendV1 quantized checkpoints.
@@ -113,7 +120,7 @@ def main(ctx, debug):
       kimi-quant verify tiny-950dt
     """
     ctx.ensure_object(dict)
-    ctx.obj["debug"] = debug
+    ctx.obj["debug"] = debug or ctx.meta.get("kq_debug", False)
 
 
 # -- targets ---------------------------------------------------------------------------------
@@ -317,7 +324,9 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 @click.option("--overwrite", is_flag=True,
               help="Replace an earlier kimi-quant conversion (other target, recipe or source) in --output. "
                    "A directory of other files is never cleared.")
-@click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards are staged.")
+@click.option("--work-dir", type=click.Path(file_okay=False),
+              help="Hub sources: where shards are staged (default: hub/ORG--NAME in the kimi-quant cache: "
+                   "$KIMI_QUANT_CACHE, else kimi-quant/ under $HF_HOME, $XDG_CACHE_HOME or ~/.cache).")
 @click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
 @click.option("--keep-source", is_flag=True, help="Hub sources: keep staged shards after use.")
 @click.option("--validate", "do_validate", is_flag=True, help="Measure perplexity vs BF16 after converting.")
@@ -341,6 +350,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
     from .targets import resolve_target
 
     resolve_target(target)
+    _staging_options_for(source, revision, work_dir, max_disk, keep_source)
     if do_validate and not Path(source).expanduser().is_dir():
         raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                              "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")

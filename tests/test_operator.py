@@ -320,3 +320,52 @@ def test_no_leaked_semaphore_warning_after_kill_9(mid_source, tmp_path):
     os.kill(p.pid, signal.SIGKILL)  # the driver alone: its workers and the resource tracker outlive it briefly
     _, err = p.communicate(timeout=60)  # returns once every process holding the pipes is gone
     assert "leaked semaphore" not in err, err
+
+
+# -- 6. conventions ---------------------------------------------------------------------------------------
+def test_debug_after_the_command(tmp_path, tiny_source):
+    r = kq("convert", tiny_source, "-t", "a3", "-o", "/proc/kq-no-such/out", "--debug")
+    assert r.returncode == 2 and "Traceback" in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("kimi-quant: error: /proc/kq-no-such")
+
+
+def test_convert_local_source_refuses_revision_and_warns_on_staging_options(tiny_source, tmp_path):
+    out = tmp_path / "out"
+    line = error_line(kq("convert", tiny_source, "-t", "a3", "-o", out, "--revision", "main").stderr)
+    assert "--revision main" in line and "local directory" in line and not out.exists()
+    r = kq("convert", tiny_source, *target_args("a3"), "-o", out, "-q", "--max-disk", "1GB", "--keep-source")
+    assert r.returncode == 0, r.stderr
+    assert "warning: --max-disk, --keep-source ignored" in r.stderr
+
+
+def test_mistyped_path_offline_fails_at_once(tmp_path):
+    import time
+
+    t = time.monotonic()
+    r = kq("plan", "models/no-such-k3", "-t", "a3", env={"HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://10.255.255.1"})
+    assert time.monotonic() - t < 15  # the interpreter's start-up only: no network wait
+    assert error_line(r.stderr) == ("kimi-quant: error: models/no-such-k3: no such directory; as a hub id: "
+                                    "not looked up, HF_HUB_OFFLINE is set")
+
+
+def test_default_work_dir_follows_the_cache_variables(monkeypatch, tmp_path):
+    from kimi_quant.cache import cache_dir
+    from kimi_quant.source.hub import default_work_dir
+
+    for var in ("KIMI_QUANT_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    assert cache_dir() == Path.home() / ".cache" / "kimi-quant"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "kimi-quant"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert default_work_dir("org/name") == tmp_path / "hf" / "kimi-quant" / "hub" / "org--name"
+    monkeypatch.setenv("KIMI_QUANT_CACHE", str(tmp_path / "kq"))
+    assert default_work_dir("org/name") == tmp_path / "kq" / "hub" / "org--name"
+
+
+def test_publish_revision_and_hidden_branch(tmp_path):
+    r = kq("publish", "--help")
+    assert "--revision" in r.stdout and "--branch" not in r.stdout and "--force" in r.stdout
+    for flag in ("--revision", "--branch"):  # the old name still works
+        line = error_line(kq("publish", tmp_path / "none", "--repo-id", "a/b", flag, "x").stderr)
+        assert "not a directory" in line
