@@ -369,3 +369,22 @@ def test_publish_revision_and_hidden_branch(tmp_path):
     for flag in ("--revision", "--branch"):  # the old name still works
         line = error_line(kq("publish", tmp_path / "none", "--repo-id", "a/b", flag, "x").stderr)
         assert "not a directory" in line
+
+
+# -- 8. a bench checkpoint can be validated; the repo's hygiene -------------------------------------------
+def test_bench_checkpoint_has_a_tokenizer_within_its_vocabulary(tmp_path):
+    from kimi_quant.model.synth import synth
+    from kimi_quant.validate.run import token_windows
+
+    out = synth("bench", tmp_path / "bench", sparse=True)  # headers only: the files around them are real
+    assert (out / "tiktoken.model").is_file() and (out / "tokenizer_config.json").is_file()
+    vocab = json.loads((out / "config.json").read_text())["text_config"]["vocab_size"]
+    windows = token_windows(out, None, max_tokens=512, seq_len=128)
+    assert windows and max(int(w.max()) for w in windows) < vocab
+
+
+def test_demo_output_is_ignored_by_git():
+    root = Path(__file__).resolve().parents[1]
+    assert "/kimi-quant-demo/" in (root / ".gitignore").read_text().splitlines()
+    readme = (root / "README.md").read_text()
+    assert "install_olah.sh" in readme and "cos_min" in readme and "KIMI_QUANT_CACHE" in readme
