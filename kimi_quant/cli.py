@@ -6,6 +6,7 @@ KIMI_QUANT_DEBUG=1) shows the traceback as well.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -226,8 +227,15 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, e
     finally:
         src.close()
     workers = workers or os.cpu_count() or 1
-    job = size_job(p, load_rates(remeasure), workers=workers, executor=executor, hub=hub,
-                   max_disk=max_disk if hub else None)
+    if json_path:  # an unwritable path fails before anything is measured or printed
+        parent = Path(json_path).expanduser().parent
+        why = (errno.ENOENT if not parent.is_dir() else errno.EACCES if not os.access(parent, os.W_OK) else None)
+        if why is not None:
+            raise KimiQuantError(f"{json_path}: cannot write the plan ({os.strerror(why)})")
+    rates = load_rates(remeasure, on_measure=lambda: click.echo(
+        "measuring this machine's codec rates (once; the kernels are compiled first if they never were)",
+        err=True))
+    job = size_job(p, rates, workers=workers, executor=executor, hub=hub, max_disk=max_disk if hub else None)
     counts = p.scheme_counts()
     in_by, out_by = {}, {}
     for t in p.tensors():

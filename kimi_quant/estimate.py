@@ -1,11 +1,11 @@
 """Sizing a conversion before it runs (``kimi-quant plan``): disk, memory and wall time.
 
-The time estimate is arithmetic over the plan with rates measured on this machine: every codec
-quantizes a small BF16 sample (``measure_rates``, ~1 s with the kernels cached), and the
-per-byte costs every output byte pays (written to the page cache, sha256'd for the journal) and
-every FLOAT byte pays (scanned for NaN/Inf, copied) are timed the same way. All rates are in
-CPU seconds of one core per byte, so the wall time is the core-seconds spread over the workers,
-never less than the slowest output shard. The rates are stored (``rates_path``) and reused until
+The time estimate is arithmetic over the plan with rates measured on this machine: the workers'
+own code (``convert_unit``) converts a sample shard, one small unit per scheme (``measure_rates``,
+~1 s with the kernels cached), so a rate holds everything a worker spends on a byte: reading it
+from the page cache, quantizing or copying it, writing and hashing the output, Python around it.
+Rates are CPU seconds of one core per input byte, so the wall time is the core-seconds spread over
+the workers, never less than the slowest output shard. The rates are stored (``rates_path``) and reused until
 the tool version or the CPU changes; ``plan --remeasure`` takes them again.
 
 Not in the estimate: downloading a hub source (it overlaps with converting; the plan states its
@@ -15,9 +15,7 @@ the run instead).
 
 from __future__ import annotations
 
-import hashlib
 import json
-import mmap
 import os
 import platform
 import tempfile
@@ -55,12 +53,11 @@ def _cpu_name() -> str:
 
 @dataclass
 class Rates:
-    """CPU seconds of one core per byte, measured on this machine."""
+    """CPU seconds of one core per BF16 input byte, measured on this machine, per scheme (FLOAT too):
+    everything a worker does for a tensor (map it from the page cache, quantize or copy it, write
+    the output, sha256 it for the journal, Python around it)."""
 
-    codec: dict[str, float]  # scheme -> seconds per BF16 input byte (the quantize kernel)
-    in_byte: float  # every input byte: mapped from the page cache
-    out_byte: float  # every output byte: written to the page cache and sha256'd for the journal
-    float_byte: float  # a FLOAT tensor's byte on top of that: read and scanned for NaN/Inf
+    per_byte: dict[str, float]
     cpu: str
     tool_version: str
     measured_at: str
@@ -83,55 +80,56 @@ def _cpu_time(fn, repeat: int = 3) -> float:
 
 
 def measure_rates() -> Rates:
-    """Time each codec, the output write + sha256 and the FLOAT scan on a seeded BF16 sample."""
+    """Convert a sample shard with the workers' own code (``convert_unit``), one unit per scheme:
+    two seeded BF16 matrices of SAMPLE_SHAPE each, read from a file in the page cache and written to
+    a temporary directory, and time it."""
     from .dtypes import f32_to_bf16
-    from .executor.unit import _nonfinite
+    from .executor.unit import convert_unit
+    from .plan import TensorPlan, UnitPlan, _outputs
     from .quant import REGISTRY, warmup
+    from .write import ShardWriter
 
     warmup()  # compiles on a cold numba cache (not part of any rate)
     rng = np.random.default_rng(0)
-    w = f32_to_bf16((0.02 * rng.standard_normal(SAMPLE_SHAPE)).astype(np.float32))
-    codec = {}
-    for name, c in sorted(REGISTRY.items()):
-        matmul = "down" if c.check(SAMPLE_SHAPE, "down") is None else None
-        out = c.alloc(SAMPLE_SHAPE, matmul)
-        codec[name] = _cpu_time(lambda: c.quantize_bf16(w, matmul, out=out)) / w.nbytes
-    data = w.tobytes()
-    with tempfile.TemporaryFile(dir=tempfile.gettempdir()) as f:
-        def write():
-            f.seek(0)
-            f.write(data)
-        write_s = _cpu_time(write)
-        f.flush()
-
-        def read():  # as a worker reads a shard in the page cache: mapped, every page faulted in once
-            with mmap.mmap(f.fileno(), len(data), access=mmap.ACCESS_READ) as m:
-                np.frombuffer(m, np.uint8)[::4096].sum()
-        read_s = _cpu_time(read)
-    sha_s = _cpu_time(lambda: hashlib.sha256(data).digest())
-    scan_s = _cpu_time(lambda: _nonfinite(w, "BF16"))
-    return Rates(codec=codec, in_byte=read_s / len(data), out_byte=(write_s + sha_s) / len(data),
-                 float_byte=scan_s / len(data),
-                 cpu=_cpu_name(), tool_version=__version__, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 where="measured now")
+    schemes = [FLOAT, *sorted(REGISTRY)]
+    with tempfile.TemporaryDirectory(prefix="kq-rates-") as d:
+        src = Path(d) / "sample.safetensors"
+        names = [(s, f"{s}.{i}.weight") for s in schemes for i in range(2)]
+        writer = ShardWriter(src, [(n, "BF16", SAMPLE_SHAPE) for _, n in names])
+        for _, n in names:
+            writer.write(n, f32_to_bf16((0.02 * rng.standard_normal(SAMPLE_SHAPE)).astype(np.float32)))
+        writer.commit()
+        per_byte = {}
+        for scheme in schemes:
+            codec = REGISTRY.get(scheme)
+            matmul = "down" if codec is not None and codec.check(SAMPLE_SHAPE, "down") is None else None
+            unit = UnitPlan(f"{scheme}.safetensors", [
+                TensorPlan(n, src.name, "BF16", list(SAMPLE_SHAPE), scheme, matmul,
+                           _outputs(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
+            per_byte[scheme] = _cpu_time(lambda: convert_unit(unit, {src.name: str(src)}, d)) / unit.in_bytes
+    return Rates(per_byte=per_byte, cpu=_cpu_name(), tool_version=__version__,
+                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), where="measured now")
 
 
 def rates_path() -> Path:
     return cache_dir() / "codec_rates.json"
 
 
-def load_rates(remeasure: bool = False) -> Rates:
-    """The stored rates of this machine and tool version, else measured now (and stored)."""
+def load_rates(remeasure: bool = False, on_measure=None) -> Rates:
+    """The stored rates of this machine and tool version, else measured now (and stored; ``on_measure``
+    is called first, to say so)."""
     path = rates_path()
     if not remeasure:
         try:
             d = json.loads(path.read_text())
             r = Rates(**d)
-            if r.tool_version == __version__ and r.cpu == _cpu_name() and r.codec:
+            if r.tool_version == __version__ and r.cpu == _cpu_name() and r.per_byte:
                 r.where = str(path)
                 return r
         except (OSError, ValueError, TypeError):
             pass
+    if on_measure is not None:
+        on_measure()
     r = measure_rates()
     try:
         from .write import write_json_atomic
@@ -149,8 +147,7 @@ def unit_core_seconds(plan: Plan, rates: Rates) -> list[float]:
     for u in plan.units:
         s = 0.0
         for t in u.tensors:
-            per_in = rates.float_byte if t.scheme == FLOAT else rates.codec.get(t.scheme, max(rates.codec.values()))
-            s += t.in_bytes * (per_in + rates.in_byte) + t.out_bytes * rates.out_byte
+            s += t.in_bytes * rates.per_byte.get(t.scheme, max(rates.per_byte.values()))
         out.append(s)
     return out
 

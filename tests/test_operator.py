@@ -40,7 +40,7 @@ def test_plan_sizes_the_job_first(tiny_source, tmp_path, cache_env):
     assert totals["workers"] == 3 and "3 workers" in lines[3]
     assert totals["memory_peak_bytes"] == 300 * 1024**2 + 3 * totals["memory_per_worker_bytes"]
     assert totals["wall_seconds"] > 0 and totals["core_seconds"] > 0
-    assert set(totals["rates"]["codec"]) >= {"W4A8_MXFP", "W8A8_MXFP8", "W4A8_DYNAMIC", "W8A8_DYNAMIC"}
+    assert set(totals["rates"]["per_byte"]) >= {"FLOAT", "W4A8_MXFP", "W8A8_MXFP8", "W4A8_DYNAMIC", "W8A8_DYNAMIC"}
     assert totals["model_quant_type"] == "W4A8_MXFP"
     assert "model_quant_type W4A8_MXFP: the highest type present" in lines[5]
     assert sum(s["out_bytes"] for s in totals["schemes"].values()) == totals["out_bytes"]
@@ -68,7 +68,7 @@ def test_plan_time_scales_with_workers(tmp_path, cache_env):
     units = [UnitPlan(f"u{i}", [TensorPlan(f"t{i}", f"s{i}", "BF16", [1024, 1024], "W4A8_MXFP", None,
                                            [[f"t{i}", "U8", [1024, 512]]])]) for i in range(8)]
     p = Plan("src", None, "950dt", 32, {"name": "r"}, 1 << 30, {f"s{i}": 2 << 20 for i in range(8)}, units)
-    rates = Rates({"W4A8_MXFP": 1e-7}, 0.0, 0.0, 0.0, "cpu", "v", "now")
+    rates = Rates({"W4A8_MXFP": 1e-7, "FLOAT": 1e-9}, "cpu", "v", "now")
     one = size_job(p, rates, workers=1, executor="ray")
     eight = size_job(p, rates, workers=8, executor="ray")
     many = size_job(p, rates, workers=64, executor="ray")
