@@ -34,7 +34,7 @@ from ..errors import KimiQuantError
 from ..hashing import sha256_file
 from ..journal import JOURNAL
 from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
-from ..layout.model_card import CARD, SOURCE_README, fmt_bytes as _fmt_bytes, is_ours, model_card as _card  # noqa: F401
+from ..layout.model_card import CARD, SOURCE_README, fmt_bytes as _fmt_bytes, is_ours, model_card as _card
 from ..layout.model_card import read_json as _read_json
 from ..source.hub import retry_after
 from ..untrusted import inside
