@@ -192,7 +192,9 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         ok = True
         return result
     except KeyboardInterrupt as e:  # say so at once: stopping the workers may take a moment
-        print(INTERRUPTED, file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(INTERRUPTED, file=sys.stderr)  # on a line of its own, whatever a bar left on the line
         e.reported = True  # the CLI does not say it twice
         raise
     finally:
@@ -279,19 +281,20 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     total = sum(u.in_bytes for u in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
-    waiting = _WaitingBar(bar, executor, staging=bool(getattr(source, "can_stage", None)))
+    waiting = None
+    try:  # the bar is closed whatever happens (a Ctrl-C anywhere); on failure convert() aborts the executor
+        waiting = _WaitingBar(bar, executor, staging=bool(getattr(source, "can_stage", None)))
 
-    def advance(n: int) -> None:
-        waiting.done()
-        bar.update(min(n, bar.total - bar.n))  # progress still queued after the end must not pass 100%
+        def advance(n: int) -> None:
+            waiting.done()
+            bar.update(min(n, bar.total - bar.n))  # progress still queued after the end must not pass 100%
 
-    executor.on_progress = advance
-    users = Counter(f for u in todo for f in u.needs)
-    source.prefetch([f for f in plan.source_order() if users[f]])
-    pending = deque(todo)
-    can_stage = getattr(source, "can_stage", lambda names: True)
-    inflight = {}
-    try:  # on failure convert() aborts the executor (running units leave only .partial files)
+        executor.on_progress = advance
+        users = Counter(f for u in todo for f in u.needs)
+        source.prefetch([f for f in plan.source_order() if users[f]])
+        pending = deque(todo)
+        can_stage = getattr(source, "can_stage", lambda names: True)
+        inflight = {}
         while pending or inflight:
             while pending and len(inflight) < executor.slots:
                 if inflight and not can_stage(pending[0].needs):
@@ -316,7 +319,8 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                         source.release(f)
         advance(bar.total - bar.n)  # every unit is done: the last frame (in a log too) says 100%
     finally:
-        waiting.done()
+        if waiting is not None:
+            waiting.done()
         bar.close()
     late = sorted(unhashed)  # shards whose units were all done by an earlier run
     for f, sha in zip(late, sha256_files([source.fetch(f) for f in late], desc="hash inputs", quiet=opts.quiet)):
