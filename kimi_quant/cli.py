@@ -271,7 +271,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, e
 
 def plan_summary(p, job: dict, work_dir=None) -> list[str]:
     """The sizing lines ``plan`` prints first: what is converted, output, disk, memory, time, model_quant_type."""
-    from .plan import explain_model_quant_type
+    from .plan import model_quant_type_meaning
 
     lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
              + f" -> {p.target} (recipe {p.recipe['name']}): {job['units']} output shard"
@@ -317,7 +317,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
         if job["download_bytes"]:
             lines.append(f"         + downloading {_gb(job['download_bytes'])}, overlapped with converting "
                          f"(alone at 1 GB/s: {_duration(job['download_bytes'] / 1e9)})")
-    lines.append(explain_model_quant_type(p.description()))
+    lines.append("quant    " + model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())))
     return lines
 
 

@@ -198,15 +198,6 @@ class Plan:
         return cls(**d)
 
 
-def explain_model_quant_type(description: dict) -> str:
-    """One line: the description's model_quant_type and why it is that one (plan and verify print it)."""
-    present = {v for k, v in description.items() if isinstance(v, str) and k not in ("version", "model_quant_type")}
-    order = " < ".join([FLOAT, *(s for _, s in sorted((c.rank, s) for s, c in REGISTRY.items() if c.rank is not None))])
-    never = sorted(s for s, c in REGISTRY.items() if c.rank is None and s in present)
-    why = f"the highest type present in {order}" + (f"; {', '.join(never)} never counts" if never else "")
-    return f"quant    model_quant_type {description['model_quant_type']}: {why}"
-
-
 def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str | None):
     if scheme == FLOAT:
         return [[name, dtype, list(shape)]]

@@ -56,7 +56,8 @@ def test_plan_shards_on_request(tiny_source, cache_env):
         r = kq("plan", tiny_source, "-t", "a3", "--max-shard-size", "1MB", flag, env=cache_env)
         assert r.returncode == 0, r.stderr
         shards = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("quant_model_weights-")]
-        assert len(shards) == 3, r.stdout
+        n = int(re.search(r"(\d+) output shards", r.stdout).group(1))
+        assert n > 1 and len(shards) == n, r.stdout
         assert "W4A8_DYNAMIC" in r.stdout  # the scheme table
 
 
