@@ -147,7 +147,8 @@ def test_rerun_with_a_left_out_option_names_it(tiny_source, tmp_path):
     line = error_line(r.stderr)
     assert "--max-shard-size was 1000000, now 4294967296" in line
     assert "--override was '*.layers.3.*=FLOAT', now not given" in line
-    assert "discarding its 3 finished shards" in line
+    n_shards = len(list(out.glob("quant_model_weights-*.safetensors")))
+    assert f"discarding its {n_shards} finished shards" in line
     cmd = line.split("the command that finishes it: ")[1]
     assert sorted(p.name for p in out.iterdir()) == before  # nothing touched
     import shlex
