@@ -6,6 +6,7 @@ KIMI_QUANT_DEBUG=1) shows the traceback as well.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -52,6 +53,12 @@ def _gb(n: int | float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _rate(n: int, seconds: float) -> str:
+    """Bytes per second in GB/s, or MB/s / kB/s where GB/s would read 0.00."""
+    r = n / max(seconds, 1e-9)
+    return f"{r / 1e9:.2f} GB/s" if r >= 1e8 else f"{r / 1e6:.2f} MB/s" if r >= 1e5 else f"{r / 1e3:.1f} kB/s"
+
+
 def _os_message(e: OSError) -> str:
     """'PATH: reason' (as the shell says it) for an OSError the user can fix: read-only, missing, full disk."""
     reason = e.strerror or str(e)
@@ -61,6 +68,14 @@ def _os_message(e: OSError) -> str:
 
 
 class _Group(click.Group):
+    def parse_args(self, ctx, args):
+        # --debug is accepted anywhere on the line (kimi-quant convert ... --debug), not only before the command
+        end = args.index("--") if "--" in args else len(args)
+        if "--debug" in args[:end] and args[:1] != ["--debug"]:
+            args = [a for i, a in enumerate(args) if not (a == "--debug" and i < end)]
+            ctx.meta["kq_debug"] = True
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         # Subcommands parse their options inside Group.invoke, so bad option values land here as well.
         try:
@@ -74,10 +89,11 @@ class _Group(click.Group):
             self._fail(ctx, e.format_message(), 2)
         except OSError as e:  # unwritable or missing paths: the user's to fix, not a bug
             self._fail(ctx, _os_message(e), 2)
-        except KeyboardInterrupt:
-            resumable = ctx.invoked_subcommand in ("convert", "demo")
-            click.echo("kimi-quant: interrupted" + ("; re-run the same command to resume" if resumable else ""),
-                       err=True)
+        except KeyboardInterrupt as e:
+            if not getattr(e, "reported", False):  # convert says it the moment it happens
+                resumable = ctx.invoked_subcommand in ("convert", "demo")
+                click.echo("kimi-quant: interrupted" + ("; re-run the same command to resume" if resumable else ""),
+                           err=True)
             sys.exit(130)
 
     @staticmethod
@@ -91,8 +107,7 @@ class _Group(click.Group):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kimi-quant")
 @click.option("--debug", is_flag=True, envvar="KIMI_QUANT_DEBUG",
-              help="Show tracebacks on errors (give it before the command: kimi-quant --debug convert ...; "
-                   "or set KIMI_QUANT_DEBUG=1).")
+              help="Show tracebacks on errors (before or after the command, or KIMI_QUANT_DEBUG=1).")
 @click.pass_context
 def main(ctx, debug):
     """Convert BF16 Kimi K3 / K3.1 checkpoints into Ascend ascendV1 quantized checkpoints.
@@ -106,7 +121,7 @@ def main(ctx, debug):
       kimi-quant verify tiny-950dt
     """
     ctx.ensure_object(dict)
-    ctx.obj["debug"] = debug
+    ctx.obj["debug"] = debug or ctx.meta.get("kq_debug", False)
 
 
 # -- targets ---------------------------------------------------------------------------------
@@ -201,24 +216,72 @@ def _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
 
 
 # -- plan ---------------------------------------------------------------------------------------
-@main.command(short_help="Dry run from headers only: schemes, sizes, shards, memory.")
+def _duration(s: float) -> str:
+    """3 s, 4 min, 2 h 05 min, 3 d 04 h: as precise as an estimate deserves."""
+    s = max(0.0, s)
+    if s < 90:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s" if s >= 0.1 else "< 0.1 s"
+    if s < 3600:
+        return f"{s / 60:.0f} min"
+    if s < 86400:
+        return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
+    return f"{int(s // 86400)} d {int(s % 86400 // 3600):02d} h"
+
+
+def _local_source(source: str) -> bool:
+    return Path(source).expanduser().exists()
+
+
+def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=False) -> None:
+    """A local directory has no revisions and is read in place: --revision is refused (the run would
+    not be the revision asked for), the staging options are ignored with a warning."""
+    if not _local_source(source):
+        return
+    if revision:
+        raise KimiQuantError(f"--revision {revision}: {source} is a local directory, which has no revisions "
+                             "(give the hub repo id to convert a revision, or drop --revision)")
+    ignored = [name for name, v in (("--work-dir", work_dir), ("--max-disk", max_disk),
+                                    ("--keep-source", keep_source)) if v]
+    if ignored:
+        click.echo(f"kimi-quant: warning: {', '.join(ignored)} ignored: {source} is a local directory, read in "
+                   "place (these options bound the staging of hub sources)", err=True)
+
+
+@main.command(short_help="Size the job from headers only: output, disk, memory, time, schemes.")
 @_plan_options
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Worker processes the memory estimate assumes (default: cores).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the full plan as JSON.")
-@click.option("--shards/--no-shards", "show_shards", default=True, help="List the output shard layout.")
+              help="Workers the memory and time estimates assume (default: one per core; with --executor ray, "
+                   "the workers of your cluster).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Executor the estimates assume (Ray: each worker as fast as one core of this machine).")
+@click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards would be staged.")
+@click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+              help="Write the plan as JSON, with the estimates under 'totals'.")
+@click.option("--shards/--no-shards", "show_shards", default=False, help="List the output shards and their inputs.")
+@click.option("--verbose", "-v", is_flag=True, help="Scheme table and the shard list as well.")
+@click.option("--remeasure", is_flag=True, help="Measure this machine's codec rates again (else the stored ones).")
 @_calibrate_options
-def plan(source, target, recipe, overrides, max_shard_size, revision, workers, json_path, show_shards,
-         calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None, device="cpu",
-         min_expert_tokens=None):
-    """Dry run: what a conversion would do, from headers only (no tensor data is read).
+def plan(source, target, recipe, overrides, max_shard_size, revision, workers, executor, work_dir, max_disk,
+         json_path, show_shards, verbose, remeasure, calibrate=False, calibration=None, calib_tokens=None,
+         act_order=None, damp=None, device="cpu", min_expert_tokens=None):
+    """Size a conversion before running it, from headers only (no tensor data is read): output size,
+    disk needed, peak memory and wall time for the given --workers/--executor, model_quant_type, and
+    (-v) the scheme of every tensor group and the output shards.
+
+    The time comes from this machine's codec rates, measured once (about a second) and stored in
+    the kimi-quant cache (KIMI_QUANT_CACHE); --remeasure takes them again.
 
     With --calibrate (and --calib-tokens), also the time and memory a calibrated conversion needs,
-    from GPTQ and matmul speeds measured here (a few seconds) and the model's shapes."""
+    from GPTQ and matmul speeds measured here (a few seconds) and the model's shapes.
+    """
     from .convert import build_plan
+    from .estimate import load_rates, size_job
 
     cal = _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens)
-    src = _open(source, revision)
+    _staging_options_for(source, revision, work_dir, max_disk)
+    hub = not _local_source(source)
+    src = _open(source, revision, work_dir if hub else None)
     try:
         p = build_plan(src, target, recipe, overrides, max_shard_size)
         if cal is not None:
@@ -229,52 +292,122 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
                 raise KimiQuantError("--calibrate runs the Kimi K3-family forward; this model is not one")
     finally:
         src.close()
-    if json_path:  # first: an unwritable path fails before any of the plan is printed
-        from .write import write_atomic
-
-        try:
-            write_atomic(json_path, json.dumps(p.to_json(), indent=1).encode())
-        except OSError as e:
-            raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
     workers = workers or os.cpu_count() or 1
+    if json_path:  # an unwritable path fails before anything is measured or printed
+        parent = Path(json_path).expanduser().parent
+        why = (errno.ENOENT if not parent.is_dir() else errno.EACCES if not os.access(parent, os.W_OK) else None)
+        if why is not None:
+            raise KimiQuantError(f"{json_path}: cannot write the plan ({os.strerror(why)})")
+    rates = load_rates(remeasure, on_measure=lambda: click.echo(
+        "measuring this machine's codec rates (once; the kernels are compiled first if they never were)",
+        err=True))
+    job = size_job(p, rates, workers=workers, executor=executor, hub=hub, max_disk=max_disk if hub else None)
     counts = p.scheme_counts()
     in_by, out_by = {}, {}
     for t in p.tensors():
         in_by[t.scheme] = in_by.get(t.scheme, 0) + t.in_bytes
         out_by[t.scheme] = out_by.get(t.scheme, 0) + t.out_bytes
-    click.echo(f"source   {p.source}" + (f" @ {p.revision}" if p.revision else ""))
-    click.echo(f"target   {p.target}   recipe {p.recipe['name']}   model_quant_type {p.description()['model_quant_type']}")
-    click.echo(f"{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")
-    for s in sorted(counts):
-        click.echo(f"{s:14s} {counts[s]:8d} {_gb(in_by[s]):>12s} {_gb(out_by[s]):>12s}")
-    click.echo(f"{'total':14s} {sum(counts.values()):8d} {_gb(p.in_bytes):>12s} {_gb(p.out_bytes):>12s}"
-               f"   ({p.out_bytes / max(p.in_bytes, 1):.1%} of input)")
-    biggest = max((t.in_bytes + t.out_bytes for t in p.tensors() if t.scheme != "FLOAT"), default=0)
-    click.echo(f"output   {len(p.units)} shards (max {_gb(p.max_shard_size)}), disk needed {_gb(p.out_bytes)}"
-               f" + staging window for hub sources")
-    click.echo(f"memory   ~{_gb(workers * (biggest + 64 * 1024**2) + 300 * 1024**2)} peak with {workers} workers"
-               " (largest quantized tensor in + out per worker, plus fixed buffers)")
+    cal_lines, cal_est = [], None
     if cal is not None:
         from .calibrate.estimate import estimate
 
-        e = estimate(p, spec, cal, workers)
-        def dur(h: float) -> str:
-            return f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min" if h * 60 >= 1 else f"{h * 3600:.0f} s"
+        cal_est = estimate(p, spec, cal, workers)
+        cal_lines = _calibrate_lines(cal_est, cal, workers)
+    if json_path:  # first: an unwritable path fails before any of the plan is printed
+        from .write import write_atomic
 
-        click.echo(f"calibrate ~{dur(e['hours'])} on {workers} cores ({dur(e['core_hours'])} of one core: forward "
-                   f"{dur(e['forward_core_h'])}, Hessians {dur(e['hessian_core_h'])}, GPTQ {dur(e['gptq_core_h'])}; "
-                   f"{cal.tokens} tokens; measured here: fp32 {e['fp32_gflops']:.0f} / fp64 {e['fp64_gflops']:.0f} "
-                   "GFLOP/s per core; GPTQ per routed-expert matrix "
-                   + ", ".join(f"{k} {v:.1f} s" for k, v in e["gptq_s_per_expert_matrix"].items()) + ")")
-        click.echo(f"         memory ~{_gb(e['memory_bytes'])} peak (one layer's non-expert weights + experts in use + "
-                   f"activations of {cal.tokens} tokens + Hessians of {cal.expert_batch} experts + one GPTQ); "
-                   "shards are cut at layer boundaries")
-    if show_shards:
+        d = p.to_json()
+        d["totals"] = {**job, "tensors": sum(counts.values()), "model_quant_type": p.description()["model_quant_type"],
+                       "schemes": {s: {"tensors": counts[s], "in_bytes": in_by[s], "out_bytes": out_by[s]}
+                                   for s in sorted(counts)}}
+        if cal_est is not None:
+            d["totals"]["calibrate"] = cal_est
+        try:
+            write_atomic(json_path, json.dumps(d, indent=1).encode())
+        except OSError as e:
+            raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
+    for line in [*plan_summary(p, job, work_dir=src.work_dir if hub else None), *cal_lines]:
+        click.echo(line)
+    if verbose or show_shards:
+        click.echo(f"\n{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")
+        for s in sorted(counts):
+            click.echo(f"{s:14s} {counts[s]:8d} {_gb(in_by[s]):>12s} {_gb(out_by[s]):>12s}")
+        click.echo(f"{'total':14s} {sum(counts.values()):8d} {_gb(p.in_bytes):>12s} {_gb(p.out_bytes):>12s}")
+        click.echo("")
         for u in p.units:
             needs = ", ".join(u.needs[:3]) + (f" (+{len(u.needs) - 3})" if len(u.needs) > 3 else "")
             click.echo(f"  {u.file}  {len(u.tensors):6d} tensors  {_gb(u.out_bytes):>10s}  <- {needs}")
+    else:
+        click.echo(f"(-v: tensors per scheme and the output shard list)")
     if json_path:
         click.echo(f"plan written to {json_path}")
+
+
+def _calibrate_lines(e: dict, cal, workers: int) -> list[str]:
+    """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
+    def dur(h: float) -> str:
+        return _duration(h * 3600)
+
+    return [f"calibrate ~{dur(e['hours'])} on {workers} cores ({dur(e['core_hours'])} of one core: forward "
+            f"{dur(e['forward_core_h'])}, Hessians {dur(e['hessian_core_h'])}, GPTQ {dur(e['gptq_core_h'])}; "
+            f"{cal.tokens} tokens; measured here: fp32 {e['fp32_gflops']:.0f} / fp64 {e['fp64_gflops']:.0f} "
+            "GFLOP/s per core; GPTQ per routed-expert matrix "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in e["gptq_s_per_expert_matrix"].items()) + ")",
+            f"         memory ~{_gb(e['memory_bytes'])} peak (one layer's non-expert weights + experts in use + "
+            f"activations of {cal.tokens} tokens + Hessians of {cal.expert_batch} experts + one GPTQ); "
+            "shards are cut at layer boundaries"]
+
+
+def plan_summary(p, job: dict, work_dir=None) -> list[str]:
+    """The sizing lines ``plan`` prints first: what is converted, output, disk, memory, time, model_quant_type."""
+    from .plan import model_quant_type_meaning
+
+    lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
+             + f" -> {p.target} (recipe {p.recipe['name']}): {job['units']} output shard"
+             + ("s" if job["units"] != 1 else "") + f" (max {_gb(p.max_shard_size)})",
+             f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
+             f"{_gb(job['in_bytes'])} BF16 input)"]
+    if job["disk_staging_bytes"] is None:
+        lines.append(f"disk     {_gb(job['disk_needed_bytes'])}: the output (a local source is read in place)")
+    else:
+        free = ""
+        if work_dir is not None:
+            import shutil
+
+            probe = Path(work_dir)
+            while not probe.exists() and probe != probe.parent:
+                probe = probe.parent
+            try:
+                free = f"; {_gb(shutil.disk_usage(probe).free)} free at {probe}"
+            except OSError:
+                pass
+        lines.append(f"disk     {_gb(job['disk_needed_bytes'])}: the output + a staging window of "
+                     f"{_gb(job['disk_staging_bytes'])} in --work-dir {work_dir}{free}")
+        window = (f"--max-disk is below the {_gb(job['min_max_disk_bytes'])} one output shard needs at once: "
+                  "convert would refuse it" if job["max_disk_too_small"] else
+                  f"--max-disk at least {_gb(job['min_max_disk_bytes'])} (the source shards of the largest "
+                  "output shard)")
+        lines.append(f"         {window}")
+    if job["executor"] == "local":
+        lines.append(f"memory   ~{_gb(job['memory_peak_bytes'])} peak: the driver + {job['workers']} workers x "
+                     f"{_gb(job['memory_per_worker_bytes'])} (largest quantized tensor in + out, buffers)")
+    else:
+        lines.append(f"memory   ~{_gb(job['memory_peak_bytes'])} for the driver; each Ray worker "
+                     f"~{_gb(job['memory_per_worker_bytes'])} on top of Ray's own")
+    if "wall_seconds" in job:
+        who = (f"{job['parallel']} local worker" + ("s" if job["parallel"] > 1 else "") if job["executor"] == "local"
+               else f"{job['parallel']} Ray workers, each as fast as one core here")
+        lines.append(f"time     ~{_duration(job['wall_seconds'])} on {who} ({_duration(job['core_seconds'])} of "
+                     f"one core at this machine's codec rates, ~{job['rate_gbps']:.2f} GB/s)")
+        if job.get("compile_seconds"):
+            lines.append(f"         + ~{_duration(job['compile_seconds'])} compiling the kernels (first run only)")
+        if job.get("calibrate_seconds"):
+            lines.append(f"         incl. ~{_duration(job['calibrate_seconds'])} for --calibrate")
+        if job["download_bytes"]:
+            lines.append(f"         + downloading {_gb(job['download_bytes'])}, overlapped with converting "
+                         f"(alone at 1 GB/s: {_duration(job['download_bytes'] / 1e9)})")
+    lines.append("quant    " + model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())))
+    return lines
 
 
 # -- convert ------------------------------------------------------------------------------------
@@ -288,7 +421,9 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, j
 @click.option("--overwrite", is_flag=True,
               help="Replace an earlier kimi-quant conversion (other target, recipe or source) in --output. "
                    "A directory of other files is never cleared.")
-@click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards are staged.")
+@click.option("--work-dir", type=click.Path(file_okay=False),
+              help="Hub sources: where shards are staged (default: hub/ORG--NAME in the kimi-quant cache: "
+                   "$KIMI_QUANT_CACHE, else kimi-quant/ under $HF_HOME, $XDG_CACHE_HOME or ~/.cache).")
 @click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
 @click.option("--keep-source", is_flag=True, help="Hub sources: keep staged shards after use.")
 @click.option("--validate", "do_validate", is_flag=True, help="Measure perplexity vs BF16 after converting.")
@@ -320,6 +455,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
     from .targets import resolve_target
 
     resolve_target(target)
+    _staging_options_for(source, revision, work_dir, max_disk, keep_source)
     if do_validate and not Path(source).expanduser().is_dir():
         raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                              "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
@@ -343,9 +479,12 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
     if not quiet:
         counts = ", ".join(f"{s} {n}" for s, n in sorted(p.scheme_counts().items()))
         if res.converted_units:
-            click.echo(f"done in {res.seconds:.1f} s: {res.converted_units} shards written"
+            startup = (f" ({res.startup_seconds:.1f} s of it loading the kernels"
+                       + (", compiled on this first run" if res.startup_seconds > 5 else "") + ")"
+                       if res.startup_seconds and res.startup_seconds >= 1 else "")
+            click.echo(f"done in {res.seconds:.1f} s{startup}: {res.converted_units} shards written"
                        + (f", {res.reused_units} verified and kept" if res.reused_units else "")
-                       + f"; {_gb(res.in_bytes_done)} in at {res.gbps:.2f} GB/s")
+                       + f"; {_gb(res.in_bytes_done)} in at {_rate(res.in_bytes_done, res.work_seconds)}")
         else:
             click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {res.reused_units} shards verified and kept")
         click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {len(p.units)} shards; tensors: {counts}")
@@ -365,41 +504,46 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
 
 
 def _validate_after(source, out_dir, max_ppl_increase, quiet):
-    from .layout.ascend_v1 import PROVENANCE, VALIDATION
-    from .validate.run import format_table, run_validation
-    from .write import write_json_atomic
-
     from .lock import output_lock
+    from .validate.gate import record
+    from .validate.run import format_table, run_validation
 
     lock = output_lock(out_dir).acquire()  # it writes into the output: no convert there meanwhile
     try:
-        report = run_validation(source, out_dir, json_path=str(Path(out_dir) / VALIDATION), progress=False)
+        report = run_validation(source, out_dir, progress=False)
         if not quiet:
             click.echo(format_table(report))
-        increase = (report["ratio"] - 1) * 100
-        passed = max_ppl_increase is None or increase <= max_ppl_increase
-        prov_path = Path(out_dir) / PROVENANCE
-        prov = json.loads(prov_path.read_text())
-        prov["validation"] = {"ppl_bf16": report["ppl_bf16"], "ppl_quant": report["ppl_quant"],
-                              "ratio": report["ratio"], "max_ppl_increase_pct": max_ppl_increase, "passed": passed}
-        write_json_atomic(prov_path, prov)
+        record(out_dir, report, max_ppl_increase)
     finally:
         lock.release()
-    if not passed:
-        raise ValidationFailed(f"validation failed: perplexity rose {increase:.2f}% (bound {max_ppl_increase}%); "
-                             f"the output stays in {out_dir}, marked as failing in its provenance")
 
 
 # -- verify ------------------------------------------------------------------------------------
-@main.command(short_help="Check an output: hashes, index, description, shapes.")
+@main.command(short_help="Check an output: hashes, index, description, shapes, validation.")
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--no-rehash", is_flag=True, help="Skip re-hashing shards (sizes and headers are still checked).")
 def verify(output, no_rehash):
-    """Check an output directory: shards against the journal, index, description, shapes."""
+    """Check an output directory: shards against the journal, index, description, shapes.
+
+    Exit code 2 when the output is damaged or incomplete, 3 when it is intact but its recorded
+    validation failed (perplexity above --max-ppl-increase)."""
     from .verify import verify_output
+
+    from .validate.gate import failed_validation
 
     r = verify_output(output, rehash=not no_rehash, quiet=False)
     click.echo(f"ok: {r['shards']} shards, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
+    click.echo(f"    {r['model_quant_type_meaning']}")
+    v = r.get("validation")
+    failed = failed_validation(v)
+    if failed:
+        raise ValidationFailed(f"{output}: {failed} (publish refuses it unless --force)")
+    if isinstance(v, dict) and all(isinstance(v.get(k), (int, float)) for k in ("ratio", "ppl_bf16", "ppl_quant")):
+        bound = f", bound {v['max_ppl_increase_pct']}%" if v.get("max_ppl_increase_pct") is not None else ", no bound"
+        click.echo(f"validated: perplexity {(v['ratio'] - 1) * 100:+.2f}% vs BF16 ({v['ppl_bf16']:.4f} -> "
+                   f"{v['ppl_quant']:.4f}{bound})")
+    elif not v:
+        click.echo("not validated (kimi-quant validate BF16_DIR OUTPUT measures perplexity)")
 
 
 # -- synth -------------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import sys
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -21,8 +24,9 @@ from .executor import make_executor
 from .hashing import sha256_files
 from .journal import Journal, check_same_conversion
 from .lock import OUTPUT_LOCK, output_lock
-from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDATION, files_to_copy, provenance,
-                               write_metadata_files)
+from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDATION, files_to_copy, output_name,
+                               provenance, write_metadata_files)
+from .layout.model_card import CARD
 from .model.spec import load_model_spec_from_source
 from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
 from .recipe import load_recipe
@@ -34,6 +38,9 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .calibrate import CalibConfig
+
+
+INTERRUPTED = "kimi-quant: interrupted; re-run the same command to resume"
 
 
 @dataclass
@@ -64,10 +71,16 @@ class ConvertResult:
     in_bytes_done: int
     peak_staged_bytes: int | None = None
     calibration: dict | None = None  # calibrated runs: settings, text, tokens and fallback counts
+    startup_seconds: float | None = None  # until the kernels were loaded (compiled on a cold numba cache)
+
+    @property
+    def work_seconds(self) -> float:
+        """The conversion proper: from the kernels being ready to the end."""
+        return self.seconds - (self.startup_seconds or 0.0)
 
     @property
     def gbps(self) -> float:
-        return self.in_bytes_done / max(self.seconds, 1e-9) / 1e9
+        return self.in_bytes_done / max(self.work_seconds, 1e-9) / 1e9
 
 
 def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(), max_shard_size=DEFAULT_MAX_SHARD_SIZE):
@@ -82,10 +95,20 @@ def _plan_summary(plan: Plan) -> dict:
             "recipe_sha256": plan.recipe.get("sha256"), "tool_version": plan.tool_version}
 
 
-def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = ()) -> Journal:
+def plan_options(plan: Plan, opts: ConvertOptions) -> dict:
+    """The options that made ``plan``, as the journal records them (``journal.PLAN_OPTIONS``): a re-run
+    that differs names them, and the command that finishes the output is built from them."""
+    return {"source": plan.source, "target": plan.target,
+            "recipe": str(Path(opts.recipe).resolve()) if opts.recipe else None, "overrides": list(opts.overrides),
+            "max_shard_size": plan.max_shard_size, "revision": plan.revision}
+
+
+def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = (),
+                   options: dict | None = None) -> Journal:
     """Open (or start) the journal, refusing to mix two conversions in one directory. The caller holds
     the directory's lock (``output_lock``). ``will_write``: files besides the shards this run writes
-    (``--overwrite`` refuses to replace one of them that kimi-quant did not write)."""
+    (``--overwrite`` refuses to replace one of them that kimi-quant did not write). ``options``: the
+    options that made the plan, recorded in the journal (``plan_options``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = Journal(out_dir)
     summary = _plan_summary(plan)
@@ -100,14 +123,14 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[
                              "(--overwrite only replaces an earlier kimi-quant output)")
     differs = journal.start is not None and journal.start.get("fingerprint") != fingerprint
     if differs and not overwrite:
-        check_same_conversion(journal, fingerprint, summary, out_dir)
+        check_same_conversion(journal, fingerprint, summary, out_dir, options)
     if differs and overwrite:
         _clear_output(out_dir, journal, will_write)
         journal = Journal(out_dir)
     for stale in out_dir.rglob("*.partial"):  # copied files may live in subdirectories
         stale.unlink()
     if journal.start is None:
-        journal.begin(fingerprint, summary)
+        journal.begin(fingerprint, {**summary, **({"options": options} if options is not None else {})})
     return journal
 
 
@@ -170,19 +193,26 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()  # two runs into one directory would mix their shards (released in finally)
         plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
+        will_write = [*map(output_name, files_to_copy(source)), "config.json", CARD]
         if opts.calibrate is not None:
             from .calibrate.run import calibrated_plan, run_calibrated
 
             plan, windows = calibrated_plan(source, plan, opts.calibrate, quiet=opts.quiet)
-            journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"])
+            journal = prepare_output(out_dir, plan, opts.overwrite, will_write, plan_options(plan, opts))
             result = run_calibrated(source, plan, windows, out_dir, journal, opts, t0)
             ok = True
             return result
-        journal = prepare_output(out_dir, plan, opts.overwrite, [*files_to_copy(source), "config.json"])
+        journal = prepare_output(out_dir, plan, opts.overwrite, will_write, plan_options(plan, opts))
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
         ok = True
         return result
+    except KeyboardInterrupt as e:  # say so at once: stopping the workers may take a moment
+        from tqdm import tqdm
+
+        tqdm.write(INTERRUPTED, file=sys.stderr)  # on a line of its own, whatever a bar left on the line
+        e.reported = True  # the CLI does not say it twice
+        raise
     finally:
         if executor is not None:
             executor.shutdown(abort=not ok)
@@ -257,7 +287,7 @@ def _resume(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: C
     done = journal.verified_units(out_dir, made_from, quiet=opts.quiet)
     todo = [u for u in plan.units if u.file not in done]
     if todo:  # shards will change: until the run ends the output must not look loadable (nor validated)
-        for name in (DESCRIPTION, INDEX, VALIDATION):
+        for name in (DESCRIPTION, INDEX, VALIDATION, CARD):  # the card: its numbers are about to be stale
             (out_dir / name).unlink(missing_ok=True)
         journal.reopen()
     claimed = {}  # local files whose sha256 only a huggingface_hub record claims (a blobs/<sha> link, an etag)
@@ -294,10 +324,10 @@ def _finish(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: C
     prov = provenance(plan, inputs, dict(sorted(units.items())))
     prov.update(extra_provenance or {})
     _carry_validation(out_dir, prov)
-    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, *files_to_copy(source)]
+    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, CARD, *map(output_name, files_to_copy(source))]
     journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
     write_metadata_files(out_dir, plan, source, prov)
-    journal.mark_complete([n for n in around if n != PROVENANCE])
+    journal.mark_complete([n for n in around if n not in (PROVENANCE, CARD)])  # validate rewrites these
 
 
 def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,
@@ -311,23 +341,20 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     total = sum(u.in_bytes for u in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
                disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
-    # Until the first bytes are done the bar would sit at 0% with no word why (workers loading the
-    # kernels: ~20 s the first time, while numba compiles them; or the first hub shard downloading).
-    bar.set_postfix_str("starting: workers load the kernels (compiled on the first run)"
-                        + ("; first shards downloading" if getattr(source, "can_stage", None) else ""))
+    waiting = None
+    try:  # the bar is closed whatever happens (a Ctrl-C anywhere); on failure convert() aborts the executor
+        waiting = _WaitingBar(bar, executor, staging=bool(getattr(source, "can_stage", None)))
 
-    def advance(n: int) -> None:
-        if bar.postfix:
-            bar.set_postfix_str("", refresh=False)
-        bar.update(n)
+        def advance(n: int) -> None:
+            waiting.done()
+            bar.update(min(n, bar.total - bar.n))  # progress still queued after the end must not pass 100%
 
-    executor.on_progress = advance
-    users = Counter(f for u in todo for f in u.needs)
-    source.prefetch([f for f in plan.source_order() if users[f]])
-    pending = deque(todo)
-    can_stage = getattr(source, "can_stage", lambda names: True)
-    inflight = {}
-    try:  # on failure convert() aborts the executor (running units leave only .partial files)
+        executor.on_progress = advance
+        users = Counter(f for u in todo for f in u.needs)
+        source.prefetch([f for f in plan.source_order() if users[f]])
+        pending = deque(todo)
+        can_stage = getattr(source, "can_stage", lambda names: True)
+        inflight = {}
         while pending or inflight:
             while pending and len(inflight) < executor.slots:
                 if inflight and not can_stage(pending[0].needs):
@@ -350,8 +377,55 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
                     users[f] -= 1
                     if users[f] == 0:
                         source.release(f)
+        advance(bar.total - bar.n)  # every unit is done: the last frame (in a log too) says 100%
     finally:
+        if waiting is not None:
+            waiting.done()
         bar.close()
     _finish(source, plan, out_dir, journal, opts, r)
-    return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(todo), len(done),
-                         sum(u.in_bytes for u in todo), getattr(source, "peak_staged_bytes", None))
+    end = time.perf_counter()
+    ready = getattr(executor, "ready_at", None)
+    return ConvertResult(plan, out_dir, end - t0, len(todo), len(done), sum(u.in_bytes for u in todo),
+                         getattr(source, "peak_staged_bytes", None),
+                         startup_seconds=(ready - t0) if ready is not None and t0 <= ready <= end else None)
+
+
+class _WaitingBar:
+    """Until the first bytes are done the bar would sit at 0% and 00:00 with no word why: the workers
+    load the kernels (~15 s the first time, while numba compiles them) or the first hub shards download.
+    Say so, keep the clock ticking on a terminal, and leave the wait out of the bar's rate (else its
+    first ETA is hours)."""
+
+    def __init__(self, bar, executor, staging: bool):
+        from .estimate import kernels_cached
+
+        self.bar = bar
+        self.executor = executor
+        self.staging = staging
+        self._stop = threading.Event()
+        if bar.disable:
+            self._stop.set()
+            return
+        what = "compiling kernels (first run only, ~15 s)" if kernels_cached() is False else "loading kernels"
+        bar.set_postfix_str(what + ("; first shards downloading" if staging else ""))
+        if getattr(bar.fp, "isatty", lambda: False)():
+            threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        ready = getattr(self.executor, "ready", None)
+        while not self._stop.wait(0.5):
+            if ready is not None and ready.is_set() and "kernels" in self.bar.postfix:
+                self.bar.set_postfix_str("first shards downloading" if self.staging else "", refresh=False)
+            self.bar.refresh()
+
+    def done(self) -> None:
+        """Work has started (the first progress) or ended."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self.bar.postfix:
+            self.bar.set_postfix_str("", refresh=False)
+        if self.bar.n == 0:
+            # The rate counts from the first progress on (not the start, nor the kernels being ready): the
+            # first tensor's latency (opening shards, a small first tensor) would make the first ETA absurd.
+            self.bar.last_print_t = self.bar._time()

@@ -186,14 +186,72 @@ def _malformed(ev) -> str | None:
     return None
 
 
-def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out_dir: Path) -> None:
+#: options that change the plan, as the journal records them -> their command-line flag (None: positional)
+PLAN_OPTIONS = {"source": None, "target": "--target", "recipe": "--recipe", "overrides": "--override",
+                "max_shard_size": "--max-shard-size", "revision": "--revision"}
+
+
+def _flags(options: dict, keys) -> list[str]:
+    out = []
+    for k in keys:
+        flag, v = PLAN_OPTIONS[k], options.get(k)
+        if flag is None or v in (None, [], ()):
+            continue
+        out += [a for item in (v if isinstance(v, list) else [v]) for a in (flag, str(item))]
+    return out
+
+
+def finish_command(options: dict, out_dir: Path) -> str:
+    """The ``kimi-quant convert`` command that finishes an output made with the recorded ``options``."""
+    import shlex
+
+    args = ["kimi-quant", "convert", str(options.get("source")), *_flags(options, [k for k in PLAN_OPTIONS if k != "source"]),
+            "--output", str(out_dir)]
+    return shlex.join(args)
+
+
+def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out_dir: Path,
+                          options: dict | None = None) -> None:
+    """Refuse a run whose plan differs from the one ``out_dir`` was started with, naming the options
+    that differ (with the values recorded) and the command that finishes the existing output."""
     if journal.start is None:
         return
     if journal.start.get("fingerprint") == fingerprint:
         return
+    recorded = journal.start.get("options")
+    kept = sum(1 for _ in journal.units)
+    lose = f" (discarding its {kept} finished shard{'s' if kept != 1 else ''})" if kept else ""
+    if isinstance(recorded, dict) and options is not None:
+        changed = [k for k in PLAN_OPTIONS if recorded.get(k) != options.get(k)]
+        named = []
+        for k in changed:
+            was, now = recorded.get(k), options.get(k)
+            name = PLAN_OPTIONS[k] or "SOURCE"
+            named.append(f"{name} was {_shown(was)}, now {_shown(now)}")
+        what = "; ".join(named) if named else ("same options, but " + _why_same_options(journal.start, summary))
+        flags = _flags(recorded, changed)
+        import shlex
+
+        finish = f"to finish it, pass {shlex.join(flags)}; " if flags and "source" not in changed else ""
+        raise KimiQuantError(f"{out_dir} holds another conversion ({what}); {finish}use --overwrite to replace "
+                             f"it{lose}, or choose another --output; the command that finishes it: "
+                             f"{finish_command(recorded, out_dir)}")
     diffs = [f"{k} {journal.start.get(k)!r} -> {v!r}" for k, v in summary.items() if journal.start.get(k) != v]
     what = "; ".join(diffs) if diffs else "the plan differs (source, recipe or shard size)"
     old_rev = journal.start.get("revision")
     resume = (f"to finish it, pass --revision {old_rev}; " if old_rev and old_rev != summary.get("revision") else "")
-    raise KimiQuantError(f"{out_dir} holds another conversion ({what}); {resume}use --overwrite to replace it, "
+    raise KimiQuantError(f"{out_dir} holds another conversion ({what}); {resume}use --overwrite to replace it{lose}, "
                          "or choose another --output")
+
+
+def _shown(v) -> str:
+    if v in (None, [], ()):
+        return "not given"
+    if isinstance(v, list):
+        return " ".join(repr(x) for x in v)
+    return str(v)
+
+
+def _why_same_options(start: dict, summary: dict) -> str:
+    diffs = [f"{k} was {start.get(k)!r}, now {v!r}" for k, v in summary.items() if start.get(k) != v]
+    return "; ".join(diffs) if diffs else "the source's shards or the recipe file's contents changed"

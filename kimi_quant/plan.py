@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -26,6 +27,51 @@ from .targets import Target
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 OUTPUT_STEM = "quant_model_weights"
 DEFAULT_MAX_SHARD_SIZE = 4 * 1024**3
+
+#: W4A8_MXFP: vLLM-Ascend reshapes the E8M0 scales in pairs of 32-blocks, (..., K/64, 2), unpadded
+MXFP4_LOADER_K_MULTIPLE = 64
+_EXPERT_WEIGHT = re.compile(r"(?P<moe>.+\.experts)\.\d+\.[^.]+\.weight")
+
+def model_quant_type_meaning(value: str, present: set[str] | frozenset = frozenset()) -> str:
+    """One line saying what a description's ``model_quant_type`` means, given the types ``present``.
+
+    msModelSlim's convention: the highest type present in FLOAT < W8A8_DYNAMIC < W8A8 < W8A8_MXFP8 <
+    W4A8_MXFP, W4A8_DYNAMIC never counting, so an a3 output says W8A8_DYNAMIC although its routed
+    experts are int4."""
+    if "W4A8_DYNAMIC" in present:
+        return (f"model_quant_type {value}: msModelSlim's convention (W4A8_DYNAMIC never counts); the routed "
+                "experts are W4A8_DYNAMIC (int4), the other quantized Linears W8A8_DYNAMIC (per-tensor types decide)")
+    if value == FLOAT:
+        return "model_quant_type FLOAT: no tensor is quantized"
+    return (f"model_quant_type {value}: the highest type present (msModelSlim's convention); "
+            "the per-tensor types decide each Linear")
+
+
+def moe_layer_types(types: dict[str, str]) -> dict[str, str]:
+    """``"<layer prefix>.block_sparse_moe.experts.weight": type`` per MoE layer, from per-tensor types.
+
+    vLLM-Ascend looks the routed experts' type up under this key (one per fused-MoE layer) when its
+    table keyed by ``model_type`` does not know the model; the per-expert keys alone give a KeyError.
+    """
+    out: dict[str, str] = {}
+    for name, scheme in types.items():
+        m = _EXPERT_WEIGHT.fullmatch(name)
+        if m:
+            out.setdefault(m["moe"] + ".weight", scheme)
+    return out
+
+
+def loader_refusal(scheme: str, role, shape) -> str | None:
+    """Why the consumers (vLLM-Ascend / SGLang ModelSlim loaders) could not load ``scheme`` here, or None.
+
+    These are rules of the loaders, not of the numerics, so they live here and not in the codecs."""
+    if scheme == "W4A8_DYNAMIC" and not role.role.startswith("routed_expert."):
+        return ("W4A8_DYNAMIC is a fused-MoE (routed expert) scheme only: vLLM-Ascend's W4A8 Linear path is "
+                "per-group and cannot load it (use W8A8_DYNAMIC)")
+    if scheme == "W4A8_MXFP" and len(shape) == 2 and shape[1] % MXFP4_LOADER_K_MULTIPLE:
+        return (f"vLLM-Ascend needs K divisible by {MXFP4_LOADER_K_MULTIPLE} for W4A8_MXFP (it pairs the 32-blocks' "
+                f"scales without padding); got K={shape[1]} (use W8A8_MXFP8 or FLOAT for it)")
+    return None
 
 
 @dataclass
@@ -134,7 +180,7 @@ class Plan:
         ranked = [(REGISTRY[s].rank, s) for s in present if s != FLOAT and REGISTRY[s].rank is not None]
         model_quant_type = max(ranked)[1] if ranked else FLOAT
         return {"version": "1.0.0", "model_quant_type": model_quant_type, "group_size": self.group_size,
-                "metadata": {}, "optional": {}, **types}
+                "metadata": {}, "optional": {}, **types, **moe_layer_types(types)}
 
     def weight_map(self) -> dict[str, str]:
         return {name: u.file for u in self.units for t in u.tensors for name, _, _ in t.outputs}
@@ -219,6 +265,8 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
                     why = "only '.weight' tensors of Linear layers can be quantized"
                 if why is None and spec.family != "generic" and not role.linear:
                     why = f"it is not a Linear layer's weight (role {role.role}); only Linear weights can be quantized"
+                if why is None:
+                    why = loader_refusal(scheme, role, info.shape)
                 if why:
                     raise RecipeError(f"tensor {name!r} {info.dtype}{list(info.shape)} cannot be {scheme}: {why}")
             if role.fuse_group:
@@ -229,7 +277,8 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
     for group, schemes in sorted(groups.items()):
         if len(schemes) > 1:
             examples = ", ".join(f"{group_example[(group, s)]} -> {s}" for s in sorted(schemes))
-            raise RecipeError(f"tensors of one fused group ({group}) must share one scheme, got: {examples}")
+            raise RecipeError(f"tensors of one fused group ({group}) must share one scheme (the serving stacks load "
+                              f"them as one Linear and refuse mixed parts), got: {examples}")
 
     # Greedy packing in source order keeps each output shard's inputs few and contiguous.
     shards: list[list[TensorPlan]] = [[]]

@@ -2,6 +2,8 @@
 
 Re-hashes every shard against the journal, reads every header, and checks that index,
 description and tensor shapes agree with what each ascendV1 type requires. Runs before publish.
+A validation recorded as failed (``--max-ppl-increase``) is reported after the structure checks
+(``verify`` exits 3, ``publish`` refuses it unless ``--force``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from .hashing import sha256_file, sha256_files
 from .journal import Journal
 from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from .dtypes import nonfinite
+from .plan import MXFP4_LOADER_K_MULTIPLE, model_quant_type_meaning, moe_layer_types
 from .source.safetensors import SafetensorsReader, read_header
 from .untrusted import inside, unsafe_name
 
@@ -65,6 +68,9 @@ def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[i
         elif typ == "W4A8_MXFP":
             N, K = shp[0], 2 * shp[1]
             want = {"weight": ("U8", (N, K // 2)), "weight_scale": ("U8", (N, K // 32))}
+            if K % MXFP4_LOADER_K_MULTIPLE:
+                raise _fail(out_dir, f"{base}: W4A8_MXFP with K={K}: vLLM-Ascend needs K divisible by "
+                                     f"{MXFP4_LOADER_K_MULTIPLE} (it pairs the 32-blocks' scales)")
         elif typ == "W8A8_MXFP8":
             N, K = shp
             want = {"weight": ("F8_E4M3", (N, K)), "weight_scale": ("U8", (N, K // 32))}
@@ -118,7 +124,7 @@ def _check_top_level(out_dir: Path, desc: dict) -> None:
         raise _fail(out_dir, f"{DESCRIPTION}: group_size {desc['group_size']!r} but the int path needs 0")
 
 
-def _check_provenance(out_dir: Path, journal: Journal) -> None:
+def _check_provenance(out_dir: Path, journal: Journal) -> dict:
     """The provenance names the same conversion and the same shards (size, sha256) as the journal."""
     prov = _load_json(out_dir, PROVENANCE)
     if prov.get("plan_fingerprint") != journal.start.get("fingerprint"):
@@ -129,6 +135,7 @@ def _check_provenance(out_dir: Path, journal: Journal) -> None:
         got = got if isinstance(got, dict) else {}
         if got.get("sha256") != rec["sha256"] or got.get("size") != rec["size"]:
             raise _fail(out_dir, f"{PROVENANCE}: record of {f} differs from the journal")
+    return prov
 
 
 def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) -> dict:
@@ -188,17 +195,25 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     for key in TOP_LEVEL:
         if key not in desc:
             raise _fail(out_dir, f"{DESCRIPTION} lacks top-level key {key!r}")
-    entries = {k for k in desc if k not in TOP_LEVEL}
+    tensor_types = {k: v for k, v in desc.items() if k not in TOP_LEVEL and k in shapes}
+    moe_keys = moe_layer_types(tensor_types)
+    entries = {k for k in desc if k not in TOP_LEVEL and k not in moe_keys}
     if entries != set(shapes):
         extra = sorted(entries - set(shapes)) or sorted(set(shapes) - entries)
         raise _fail(out_dir, f"{DESCRIPTION} and the shards disagree on tensor {extra[0]!r}")
-    _check_types(out_dir, desc, shapes)
+    for key, typ in moe_keys.items():  # what vLLM-Ascend reads for a model type it has no table for
+        if desc.get(key) != typ:
+            raise _fail(out_dir, f"{DESCRIPTION}: {key!r} is {desc.get(key)!r}, the layer's experts are {typ}")
+    _check_types(out_dir, {k: v for k, v in desc.items() if k in TOP_LEVEL or k in shapes}, shapes)
     _check_top_level(out_dir, desc)
     if rehash:
         _check_finite(out_dir, files, desc)
-    _check_provenance(out_dir, journal)
+    prov = _check_provenance(out_dir, journal)
     config = _load_json(out_dir, "config.json")
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise _fail(out_dir, "config.json still has quantization_config")
     return {"shards": len(files), "tensors": len(shapes), "bytes": total,
-            "model_quant_type": desc["model_quant_type"]}
+            "model_quant_type": desc["model_quant_type"],
+            "model_quant_type_meaning": model_quant_type_meaning(desc["model_quant_type"], set(tensor_types.values())),
+            "validation": prov.get("validation")}
+

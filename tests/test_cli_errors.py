@@ -29,6 +29,10 @@ def test_unsupported_or_unknown_target(tiny_source, tmp_path, target, words):
 def test_target_aliases_plan(tiny_source, alias):
     r = kq("plan", tiny_source, "-t", alias, "--no-shards")
     assert r.returncode == 0, r.stderr
+    meaning = next(ln for ln in r.stdout.splitlines() if ln.startswith("quant "))[len("quant "):].strip()
+    want = ("model_quant_type W8A8_DYNAMIC: msModelSlim's convention (W4A8_DYNAMIC never counts)"
+            if "a3" in alias.lower() else "model_quant_type W4A8_MXFP: the highest type present")
+    assert meaning.startswith(want), r.stdout
 
 
 def test_missing_recipe_file(tiny_source, tmp_path):

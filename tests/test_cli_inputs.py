@@ -268,8 +268,9 @@ def test_failed_perplexity_bound_exits_3_and_marks_the_provenance(tmp_path):
            "--validate", "--max-ppl-increase", "-50")  # a bound no quantized model meets
     assert r.returncode == 3, r.stderr
     line = r.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"kimi-quant: error: validation failed: perplexity rose -?\d+\.\d+% \(bound -50\.0%\); "
-                        r"the output stays in .*, marked as failing in its provenance", line), r.stderr
+    assert re.fullmatch(r"kimi-quant: error: validation failed: perplexity rose -?\d+\.\d+% over BF16 "
+                        r"\(\d+\.\d+ -> \d+\.\d+\), above the bound of -50\.0%; the output stays in .*, "
+                        r"marked as failing \(verify fails, publish refuses it\)", line), r.stderr
     prov = json.loads((out / "kimi_quant_provenance.json").read_text())
     assert prov["validation"]["passed"] is False and prov["validation"]["max_ppl_increase_pct"] == -50.0
 

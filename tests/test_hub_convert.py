@@ -132,11 +132,13 @@ def _convert_local(src: Path, out: Path):
 
 def _same_output(got: Path, ref: Path) -> dict:
     """Assert byte identity except the journal and the provenance's where-from fields; the provenance."""
-    a, b = snapshot(got, skip=(JOURNAL_NAME, PROVENANCE)), snapshot(ref, skip=(JOURNAL_NAME, PROVENANCE))
+    # the model card (README.md) names where the source came from, like the provenance
+    a, b = (snapshot(d, skip=(JOURNAL_NAME, PROVENANCE, "README.md")) for d in (got, ref))
     assert a == b
     pg, pr = (json.loads((d / PROVENANCE).read_text()) for d in (got, ref))
     assert {k: v for k, v in pg.items() if k not in WHERE_FIELDS} == \
         {k: v for k, v in pr.items() if k not in WHERE_FIELDS}
+    assert f"`{pg['source']}` @ `{pg['revision']}`" in (got / "README.md").read_text()
     return pg
 
 
@@ -275,8 +277,9 @@ def test_revision_branch_is_resolved_and_recorded(olah, ckpts, hub_env, tmp_path
     prov = json.loads((out / PROVENANCE).read_text())
     assert prov["revision"] == dev and re.fullmatch(r"[0-9a-f]{40}", dev)
     assert prov["source"] == repo.repo_id
-    ref = snapshot(s.reference, skip=(JOURNAL_NAME, PROVENANCE))
-    got = snapshot(out, skip=(JOURNAL_NAME, PROVENANCE))
+    # README.md (the model card) names the source and its revision, like the provenance
+    ref = snapshot(s.reference, skip=(JOURNAL_NAME, PROVENANCE, "README.md"))
+    got = snapshot(out, skip=(JOURNAL_NAME, PROVENANCE, "README.md"))
     assert {k: v for k, v in got.items() if k in ref} == ref  # same weights (dev only adds a file)
     assert "OTHER.md" not in got  # main's later file is not in dev
 

@@ -68,10 +68,13 @@ def test_recipe_matches_formats_md_table():
     a3, mx = load_recipe("a3"), load_recipe("950dt")
     cases = {
         ("x", "routed_expert.down"): ("W4A8_DYNAMIC", "W4A8_MXFP"),
-        ("x", "shared_expert.gate"): ("W4A8_DYNAMIC", "W4A8_MXFP"),
+        ("x", "shared_expert.gate"): ("W8A8_DYNAMIC", "W4A8_MXFP"),  # W4A8_DYNAMIC is fused-MoE only
         ("x", "kda.qkv_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
+        ("x", "kda.g_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),  # fused with q/k/v by the serving stacks
+        ("x", "kda.fa_b_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),  # in vLLM K3's in_proj_qkvgfab
+        ("x", "kda.f_b_proj"): ("FLOAT", "FLOAT"),
         ("x", "mla.q_b_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
-        ("x", "latent_moe.up_proj"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
+        ("x", "latent_moe.up_proj"): ("FLOAT", "FLOAT"),  # SGLang/vLLM K3 build it unquantized
         ("x", "dense_mlp.down"): ("W8A8_DYNAMIC", "W8A8_MXFP8"),
         ("x", "mla.kv_b_proj"): ("FLOAT", "FLOAT"),
         ("x", "attn.o_proj"): ("FLOAT", "FLOAT"),
@@ -167,7 +170,7 @@ def test_mx_needs_k_divisible_by_32(tmp_path):
     from kimi_quant.model.spec import spec_from_config as sfc
 
     spec = sfc(cfg)
-    assert spec.role(P + "1.self_attn.f_b_proj.weight").role == "kda.gate_proj"
+    assert spec.role(P + "1.self_attn.f_b_proj.weight").role == "kda.f_b_proj"
     # f_b_proj is [P, d] = [128, 32]: fine; b_proj [h, H] = [4, 128]: N odd-sized for int4 pairs is fine (4)
     d = tmp_path / "src"
     synth("tiny", d, random_weights=True)
@@ -188,3 +191,86 @@ def test_full_size_k31_inventory_plans_from_headers_only(tmp_path):
     counts = p.scheme_counts()
     assert counts["W4A8_MXFP"] == 92 * (896 * 3 + 3)  # routed + shared experts of the 92 MoE layers
     assert 0.25 < p.out_bytes / p.in_bytes < 0.30
+
+
+# -- what the consumers (vLLM-Ascend, SGLang) can load, decided at plan time (issue 12) ----------------
+def test_w4a8_dynamic_off_the_fused_moe_is_refused_naming_the_tensor(tiny):
+    with pytest.raises(RecipeError, match=r"tensor 'language_model.model.layers.1.block_sparse_moe.shared_experts"
+                                          r"\.down_proj.weight' .* W4A8_DYNAMIC is a fused-MoE \(routed expert\) "
+                                          r"scheme only"):
+        _plan(tiny, "a3", ["*.layers.1.block_sparse_moe.shared_experts.down_proj=W4A8_DYNAMIC"])
+    with pytest.raises(RecipeError, match="fused-MoE"):
+        _plan(tiny, "a3", ["*.layers.0.mlp.*=W4A8_DYNAMIC"])  # the dense MLP: gate/up/down roles, still a Linear
+
+
+def test_mxfp4_needs_k_divisible_by_64_for_the_loader(tmp_path):
+    """vLLM-Ascend pairs the 32-block scales of W4A8_MXFP without padding: K = 32 is refused, naming it."""
+    d = tmp_path / "src"
+    synth("tiny", d, random_weights=True)
+    src = LocalSource(d)
+    with pytest.raises(RecipeError, match=r"tensor 'language_model.model.layers.1.self_attn.f_b_proj.weight' "
+                                          r"BF16\[128, 32\] cannot be W4A8_MXFP: vLLM-Ascend needs K divisible by 64"):
+        _plan(src, "950dt", ["*.layers.1.self_attn.f_b_proj=W4A8_MXFP"])
+    _plan(src, "950dt", ["*.layers.1.self_attn.f_b_proj=W8A8_MXFP8"])  # MXFP8 pads: K = 32 loads
+
+
+@pytest.mark.parametrize("preset", ["tiny", "bench", "full"])
+def test_presets_plan_with_the_default_recipe_on_both_targets(preset):
+    """Every W4A8_MXFP tensor of every preset has K % 64 == 0 (tiny's expert w2 used to have K = 32)."""
+    from kimi_quant.plan import loader_refusal
+
+    spec = spec_from_config(preset_config(preset))
+    for target in ("a3", "950dt"):
+        recipe = load_recipe(target)
+        for name, (shape, _) in spec.expected_tensors().items():
+            role = spec.role(name)
+            scheme = recipe.scheme_for(name, role.role)
+            if scheme != "FLOAT":
+                assert loader_refusal(scheme, role, shape) is None, (preset, target, name, shape)
+
+
+@pytest.mark.parametrize("override", [
+    "*.layers.1.self_attn.g_proj=FLOAT",  # SGLang fused_qkvg_proj = q,k,v,g
+    "*.layers.1.self_attn.b_proj=FLOAT",  # vLLM K3 in_proj_qkvgfab = q,k,v,g,f_a,b
+    "*.layers.3.self_attn.kv_a_proj_with_mqa=FLOAT",  # fused_qkv_a_proj = q_a + kv_a
+    "*.layers.0.mlp.up_proj=FLOAT",  # gate_up_proj
+    "*.layers.2.block_sparse_moe.shared_experts.gate_proj=FLOAT",
+])
+def test_fused_groups_share_one_scheme_overrides_included(tiny, override):
+    for target in ("a3", "950dt"):
+        with pytest.raises(RecipeError, match="fused group .* must share one scheme"):
+            _plan(tiny, target, [override])
+
+
+def test_kda_in_projections_form_one_fused_group():
+    spec = spec_from_config(preset_config("tiny"))
+    groups = {n: spec.role(P + f"1.self_attn.{n}.weight") for n in ("q_proj", "k_proj", "v_proj", "g_proj",
+                                                                     "f_a_proj", "b_proj", "f_b_proj")}
+    assert {r.fuse_group for n, r in groups.items() if n != "f_b_proj"} == {"L1.kda_in_proj"}
+    assert groups["g_proj"].role == "kda.g_proj" and groups["f_b_proj"].fuse_group is None
+    mla_gate = spec.role(P + "3.self_attn.g_proj.weight")  # an MLA layer's output gate is its own Linear
+    assert (mla_gate.role, mla_gate.fuse_group) == ("attn.g_proj", None)
+
+
+def test_description_names_each_moe_layers_expert_type(tiny):
+    for target, expert_type in (("a3", "W4A8_DYNAMIC"), ("950dt", "W4A8_MXFP")):
+        desc = _plan(tiny, target).description()
+        layer_keys = {k: v for k, v in desc.items() if k.endswith(".experts.weight")}
+        moe_layers = [i for i in range(6) if i >= 1]  # first_k_dense_replace = 1
+        assert layer_keys == {f"{P}{i}.block_sparse_moe.experts.weight": expert_type for i in moe_layers}
+        assert desc[f"{P}1.block_sparse_moe.experts.0.w2.weight"] == expert_type
+        # an override of the experts of one layer moves that layer's key with it
+    desc = _plan(tiny, "a3", ["*.layers.2.block_sparse_moe.experts.*=FLOAT"]).description()
+    assert desc[f"{P}2.block_sparse_moe.experts.weight"] == "FLOAT"
+
+
+def test_model_quant_type_meaning_says_a3_experts_are_int4(tiny):
+    from kimi_quant.plan import model_quant_type_meaning
+
+    p = _plan(tiny, "a3")
+    line = model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts()))
+    assert p.description()["model_quant_type"] == "W8A8_DYNAMIC"
+    assert "W4A8_DYNAMIC never counts" in line and "routed experts are W4A8_DYNAMIC" in line
+    p = _plan(tiny, "950dt")
+    assert model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())).startswith(
+        "model_quant_type W4A8_MXFP: the highest type present")

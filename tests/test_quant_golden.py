@@ -35,21 +35,22 @@ def test_int4_pack_along_n_golden():
 
 
 def test_int4_codec_golden_gate_and_down():
-    # rows whose amax is 7*s and whose values lie on the grid: absmax has zero error, so s stays s0
+    # scale = max(max(w)/7, -min(w)/8): rows on the grid of that scale (row 1 and 3: the negative
+    # side dominates and reaches code -8) are reproduced exactly
     q = np.array(
-        [[7, -1, 3, 0] * 8, [-7, 2, 5, -6] * 8, [1, 7, 0, 0] * 8, [0, -7, -2, 4] * 8], dtype=np.int8
+        [[7, -1, 3, 0] * 8, [-8, 2, 5, -6] * 8, [1, 7, 0, 0] * 8, [0, -8, -2, 4] * 8], dtype=np.int8
     )
     s = np.array([1.0, 0.5, 2.0**-10, 3.0], dtype=np.float32)
     w = q * s[:, None]
     out = both("W4A8_DYNAMIC", w, "gate")
     assert out["weight"].shape == (2, 32) and out["weight"].dtype == np.int8
-    assert out["weight"].view(np.uint8)[0, :4].tolist() == [0x97, 0x2F, 0x53, 0xA0]
+    assert out["weight"].view(np.uint8)[0, :4].tolist() == [0x87, 0x2F, 0x53, 0xA0]
     assert np.array_equal(nm.unpack_int4_along_n(out["weight"]), q)
     assert out["weight_scale"].tolist() == [[1.0], [0.5], [2.0**-10], [3.0]]
     assert not out["weight_offset"].any() and out["weight_offset"].shape == (4, 1)
     assert out["scale_bias"].shape == (4, 1)
-    # 8 * sum_k q * s: row sums 9*8, -6*8, 8*8, -5*8
-    np.testing.assert_array_equal(out["scale_bias"][:, 0], np.float32([8 * 72 * 1.0, 8 * -48 * 0.5, 8 * 64 * 2.0**-10, 8 * -40 * 3.0]))
+    # 8 * sum_k q * s: row sums 9*8, -7*8, 8*8, -6*8
+    np.testing.assert_array_equal(out["scale_bias"][:, 0], np.float32([8 * 72 * 1.0, 8 * -56 * 0.5, 8 * 64 * 2.0**-10, 8 * -48 * 3.0]))
 
     down = both("W4A8_DYNAMIC", w, "down")
     assert down["scale_bias"].shape == (4, 16)
@@ -57,6 +58,23 @@ def test_int4_codec_golden_gate_and_down():
     expect = 8.0 * q.reshape(4, 16, 2).sum(axis=2) * s[:, None]
     np.testing.assert_array_equal(down["scale_bias"], expect.astype(np.float32))
     assert np.array_equal(down["weight"], out["weight"])
+
+
+def test_int4_scale_rule_golden():
+    # positive side dominates: s = 7/7 = 1 (as absmax); negative: s = 7/8, -7 -> code -8, 3 -> 3.43 -> 3;
+    # ties round half to even: 2.5 -> 2, -1.5 -> -2 at s = 1
+    w = np.zeros((4, 32), np.float32)
+    w[0, :4] = [7, -7, 2.5, -1.5]
+    w[1, :3] = [-7, 3, 6]
+    w[2, :2] = [0.0, -0.0]
+    w[3, :2] = [6, -0.75]  # s = 6/7 (float32 division)
+    out = both("W4A8_DYNAMIC", w, "up")
+    assert out["weight_scale"][:, 0].tolist() == [1.0, 0.875, 1.0, float(np.float32(6) / np.float32(7))]
+    q = nm.unpack_int4_along_n(out["weight"])
+    assert q[0, :4].tolist() == [7, -7, 2, -2]
+    assert q[1, :3].tolist() == [-8, 3, 7]
+    assert not q[2].any()
+    assert q[3, :2].tolist() == [7, -1]
 
 
 def test_int4_zero_rows():

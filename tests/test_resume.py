@@ -243,7 +243,7 @@ def _recipe_file(tmp_path) -> Path:
 
     text = resources.files("kimi_quant.recipe").joinpath("kimi_k3.toml").read_text()
     changed = text.replace('name = "kimi-k3-default"', 'name = "mine"').replace(
-        '"latent_moe.*" = "W8A8_MXFP8"', '"latent_moe.*" = "FLOAT"')
+        '"mla.q_b_proj" = "W8A8_MXFP8"', '"mla.q_b_proj" = "FLOAT"')
     assert changed.count("mine") == 1
     recipe = tmp_path / "mine.toml"
     recipe.write_text(changed)

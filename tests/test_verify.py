@@ -41,6 +41,22 @@ def test_passes_on_a_good_output(good):
     r = kq("verify", good)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ok: ") and len(shards(good)) > 1
+    meaning = r.stdout.splitlines()[1]  # what model_quant_type means, in one line
+    if "a3" in good.parent.name:
+        assert "model_quant_type W8A8_DYNAMIC" in meaning and "routed experts are W4A8_DYNAMIC" in meaning
+    else:
+        assert "model_quant_type W4A8_MXFP: the highest type present" in meaning
+
+
+def test_a_moe_layers_experts_key_must_match_its_experts(out):
+    desc = json.loads((out / DESC).read_text())
+    key = "language_model.model.layers.2.block_sparse_moe.experts.weight"
+    desc[key] = "FLOAT"
+    (out / DESC).write_text(json.dumps(desc))
+    assert f"'{key}' is 'FLOAT', the layer's experts are" in fails(out, "--no-rehash")
+    del desc[key]
+    (out / DESC).write_text(json.dumps(desc))
+    assert "is None, the layer's experts are" in fails(out, "--no-rehash")
 
 
 def test_flipped_byte_in_a_shard(out):

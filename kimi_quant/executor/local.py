@@ -57,6 +57,30 @@ def _worker_birth():
                 os.environ.pop(k, None)
 
 
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker with its stderr on /dev/null. Its only words are the
+    "leaked semaphore objects to clean up" warning it prints when the driver was killed (kill -9, the
+    OOM killer) before closing the queues: it cleans them up all the same, and a killed run is resumed
+    by re-running the command, so the warning only alarms. Started here, before any queue exists."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_fd", None) is not None:
+        return  # already running (an earlier executor in this process)
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+            try:
+                tracker.ensure_running()
+            finally:
+                os.dup2(saved, 2)
+    except OSError:
+        pass
+    finally:
+        os.close(saved)
+
+
 def _started_thread(t: threading.Thread | None) -> bool:
     return t is not None and t.ident is not None  # a Ctrl-C may land between Thread() and start()
 
@@ -130,12 +154,26 @@ class LocalExecutor:
                                  "processes than that only cost memory; use fewer")
         self.on_progress = on_progress or (lambda n: None)
         self.slots = self.workers
-        self._pool = self._queue = self._drain = self._launcher = None
+        self._pool = self._queue = self._drain = self._launcher = self._warm = None
         self._stop = threading.Event()
+        #: when the kernels were loaded (compiled on a cold numba cache) and work could begin: the
+        #: driver leaves the time before it out of the conversion rate and the bar's ETA
+        self.ready = threading.Event()
+        self.ready_at: float | None = None
+
+    def _mark_ready(self, *_) -> None:
+        if not self.ready.is_set():
+            self.ready_at = time.perf_counter()
+            self.ready.set()
 
     def start(self) -> "LocalExecutor":
-        if self.workers == 1 or self._pool is not None:
+        if self._pool is not None or self._warm is not None:
             return self
+        if self.workers == 1:  # units run here: load the kernels in the background while the driver plans
+            self._warm = threading.Thread(target=self._warm_up, name="kq-warmup", daemon=True)
+            self._warm.start()
+            return self
+        _quiet_resource_tracker()
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([f"{__package__}.preload"])
         self._queue = ctx.Queue()
@@ -153,11 +191,32 @@ class LocalExecutor:
         self._launcher.start()
         return self
 
+    def _warm_up(self) -> None:
+        from ..quant import warmup
+
+        warmup()
+        self._mark_ready()
+
     def _launch(self) -> None:
         try:
             for _ in range(self.workers):
-                self._pool.submit(_started)
+                # a worker runs this once the fork server has loaded the kernels
+                self._pool.submit(_started).add_done_callback(self._mark_ready)
         except RuntimeError:  # shut down (Ctrl-C, an error) before every worker was asked for
+            pass
+        except (OSError, EOFError):  # the fork server was stopped by an abort while it loaded the kernels
+            if not self._stop.is_set():
+                raise
+
+    def _stop_fork_server(self) -> None:
+        """An abort while the fork server still loads (compiles) the kernels: stop it now rather than
+        wait for the compilation (up to a minute on a cold cache) before the launches can end."""
+        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        if pid is None or self.ready.is_set():
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)  # our own child: the server started by start()
+        except OSError:
             pass
 
     def _drain_progress(self) -> None:
@@ -172,7 +231,14 @@ class LocalExecutor:
     def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
             self._launcher.join()  # the workers exist (interruptible: the launch goes on without us)
-            return _explained(self._pool.submit(_run_unit, unit, paths, out_dir), unit["file"])
+            try:
+                inner = self._pool.submit(_run_unit, unit, paths, out_dir)
+            except BrokenProcessPool as e:  # a worker died before this unit was handed out
+                inner = Future()
+                inner.set_exception(e)
+            return _explained(inner, unit["file"])
+        if self._warm is not None:
+            self._warm.join()
         fut: Future = Future()
         try:
             fut.set_result(convert_unit(unit, paths, out_dir, progress=self.on_progress))
@@ -187,6 +253,8 @@ class LocalExecutor:
         if self._pool is None:
             return
         with _no_interrupts(abort):  # a second Ctrl-C must not cut the clean-up short
+            if abort:
+                self._stop_fork_server()
             if _started_thread(self._launcher):
                 # every launch must be over first: a worker still being started would be missed, and
                 # it fails (with a traceback) once the driver has removed the queues it attaches to

@@ -46,10 +46,18 @@ def files_to_copy(source: Source) -> list[str]:
     return out
 
 
+def output_name(name: str) -> str:
+    """Where a copied source file lands: the source's card (README.md) becomes SOURCE_README.md, the
+    output's README.md is kimi-quant's own card (``model_card``)."""
+    return "SOURCE_README.md" if name == "README.md" else name
+
+
 def write_metadata_files(out_dir: Path, plan: Plan, source: Source, provenance: dict) -> None:
     """Everything but the weight shards, in an order that keeps a partial output unloadable."""
+    from .model_card import CARD, model_card
+
     for name in files_to_copy(source):
-        dest = out_dir / name
+        dest = out_dir / output_name(name)
         dest.parent.mkdir(parents=True, exist_ok=True)
         if not inside(dest.parent, out_dir):  # a folder of the output replaced by a link out of it
             raise KimiQuantError(f"{dest.parent} links to {os.path.realpath(dest.parent)}, outside {out_dir}: "
@@ -59,6 +67,7 @@ def write_metadata_files(out_dir: Path, plan: Plan, source: Source, provenance: 
     write_json_atomic(out_dir / PROVENANCE, provenance)
     write_json_atomic(out_dir / INDEX, {"metadata": {"total_size": plan.out_bytes}, "weight_map": plan.weight_map()})
     write_json_atomic(out_dir / DESCRIPTION, plan.description())
+    write_atomic(out_dir / CARD, model_card(out_dir).encode())  # regenerable: not in the journal's hashes
 
 
 def provenance(plan: Plan, inputs: dict[str, dict], units: dict[str, dict]) -> dict:

@@ -34,7 +34,7 @@ _TINY_TEXT: dict[str, Any] = {
     "num_experts": 16,
     "num_experts_per_token": 4,
     "num_shared_experts": 2,
-    "moe_intermediate_size": 32,
+    "moe_intermediate_size": 64,  # W4A8_MXFP needs K % 64 == 0 (expert w2 K = this)
     "routed_expert_hidden_size": 64,
     "latent_moe_use_norm": True,
     "first_k_dense_replace": 1,

@@ -232,15 +232,20 @@ _ROLE_TABLE: list[tuple[str, str, str | None, bool, str | None]] = [
     (_LAYER + r"mlp\.down_proj\.weight", "dense_mlp.down", "down", True, None),
     (_LAYER + r"self_attn\.indexer\.(wq_b|wk|weights_proj)\.weight", "dsa.indexer_proj", None, True, None),
     (_LAYER + r"self_attn\.indexer\..*", "dsa.indexer_norm", None, False, None),
-    (_LAYER + r"self_attn\.[qkv]_proj\.weight", "kda.qkv_proj", None, True, None),
+    # KDA input projections: the serving stacks fuse them into one Linear whose scheme is looked up
+    # from its parts (SGLang: fused_qkvg_proj = q,k,v,g; vLLM K3: in_proj_qkvgfab = q,k,v,g,f_a,b), so
+    # all six share one fuse group; f_b_proj (input = head_dim) stays its own Linear everywhere.
+    (_LAYER + r"self_attn\.[qkv]_proj\.weight", "kda.qkv_proj", None, True, "L{L}.kda_in_proj"),
     (_LAYER + r"self_attn\.[qkv]_conv1d\.weight", "kda.conv1d", None, False, None),
-    (_LAYER + r"self_attn\.(f_a_proj|f_b_proj|b_proj|g_a_proj|g_b_proj)\.weight", "kda.gate_proj", None, True, None),
+    (_LAYER + r"self_attn\.(f_a_proj|b_proj)\.weight", "kda.fa_b_proj", None, True, "L{L}.kda_in_proj"),
+    (_LAYER + r"self_attn\.f_b_proj\.weight", "kda.f_b_proj", None, True, None),
+    (_LAYER + r"self_attn\.(g_a_proj|g_b_proj)\.weight", "kda.gate_proj", None, True, None),  # low-rank output gate
     (_LAYER + r"self_attn\.(A_log|dt_bias)", "kda.param", None, False, None),
     (_LAYER + r"self_attn\.q_a_proj\.weight", "mla.q_a_proj", None, True, "L{L}.qkv_a"),
     (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.weight", "mla.kv_a_proj", None, True, "L{L}.qkv_a"),
     (_LAYER + r"self_attn\.q_b_proj\.weight", "mla.q_b_proj", None, True, None),
     (_LAYER + r"self_attn\.kv_b_proj\.weight", "mla.kv_b_proj", None, True, None),
-    (_LAYER + r"self_attn\.g_proj\.weight", "attn.g_proj", None, True, None),
+    (_LAYER + r"self_attn\.g_proj\.weight", "attn.g_proj", None, True, None),  # KDA layers: kda.g_proj (see role())
     (_LAYER + r"self_attn\.o_proj\.weight", "attn.o_proj", None, True, None),
     (_LAYER + r".*(norm|layernorm)\.(weight|bias)", "norm", None, False, None),
     (_LAYER + r"(self_attention|mlp)_res_proj\.weight", "attn_res.proj", None, False, None),
@@ -251,7 +256,7 @@ _ROLE_TABLE: list[tuple[str, str, str | None, bool, str | None]] = [
 ]
 _COMPILED = [(re.compile(p), role, mm, lin, fg) for p, role, mm, lin, fg in _ROLE_TABLE]
 #: every role ``ModelSpec.role`` can return (what recipe role keys may name)
-KNOWN_ROLES: tuple[str, ...] = tuple(sorted({r for _, r, *_ in _ROLE_TABLE} | {"mla.q_proj", "vision", "other"}))
+KNOWN_ROLES: tuple[str, ...] = tuple(sorted({r for _, r, *_ in _ROLE_TABLE} | {"mla.q_proj", "kda.g_proj", "vision", "other"}))
 _VISION = re.compile(r"(vision_tower|mm_projector|multi_modal_projector)\.")
 
 
@@ -279,6 +284,10 @@ class ModelSpec:
                 expert = int(gd["expert"]) if gd.get("expert") is not None else None
                 if role == "kda.qkv_proj" and self.text is not None and not self._is_kda_layer(layer):
                     role, fuse = "mla.q_proj", None  # Kimi Linear's MLA without a query latent (q_lora_rank null)
+                if role == "attn.g_proj" and self.text is not None and self._is_kda_layer(layer):
+                    # a KDA layer's full-rank output gate is fused with q/k/v by the serving stacks;
+                    # an MLA layer's output gate is a Linear of its own
+                    role, fuse = "kda.g_proj", "L{L}.kda_in_proj"
                 return TensorRole(role, layer, expert, matmul, linear,
                                   fuse.format(L=layer) if fuse else None)
         return TensorRole("other")

@@ -33,6 +33,17 @@ def fixture_dir(preset: str) -> Path | None:
     return d if (d / "model.safetensors").exists() else None
 
 
+def _copy_tokenizer(out: Path) -> None:
+    """The tiny model's tokenizer (ids < 1024, within every preset's vocabulary): a synthetic
+    checkpoint can then be validated (perplexity needs text turned into ids) like a real one."""
+    tok = fixture_dir("tiny")
+    if tok is None:
+        return
+    for name in FIXTURE_FILES:
+        if (tok / name).exists():
+            shutil.copy(tok / name, out / name)
+
+
 def _random_tensor(name: str, shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     if "norm" in name or name.endswith("k_norm.bias"):
@@ -130,6 +141,7 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
     out = Path(output)
     _prepare_output(out, overwrite)
     if sparse or preset == "full":
+        _copy_tokenizer(out)
         return write_header_only(config, out, shard_size)
     tensors = spec_from_config(config).expected_tensors()
     fixture = None if (random_weights or num_experts) else fixture_dir(preset)
@@ -162,12 +174,9 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
             reader.close()
         if bar:
             bar.close()
+    _copy_tokenizer(out)  # before config.json: written last, it marks the checkpoint complete
     write_json_atomic(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     write_json_atomic(out / "config.json", config)
-    if fixture:
-        for name in FIXTURE_FILES:
-            if (fixture / name).exists():
-                shutil.copy(fixture / name, out / name)
     (out / "README.md").write_text(
         f"# Synthetic Kimi K3.1-shaped checkpoint ({preset})\n\nWritten by `kimi-quant synth --preset {preset}`"
         f" (seed {seed}). Tensor names and structure follow Kimi K3.1; dimensions are small.\n")

@@ -1,4 +1,4 @@
-"""``kimi-quant publish DIR --repo-id ORG/NAME [--private] [--branch B]`` (registered by kimi_quant.cli)."""
+"""``kimi-quant publish DIR --repo-id ORG/NAME [--private] [--revision BRANCH] [--force]`` (registered by kimi_quant.cli)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,25 @@ import click
 @click.argument("output", type=click.Path(file_okay=False, path_type=str))
 @click.option("--repo-id", required=True, metavar="ORG/NAME", help="Hub repo to create (if needed) and upload to.")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
-@click.option("--branch", default=None, metavar="B", help="Upload to this branch (created from main if missing).")
+@click.option("--revision", "branch", default=None, metavar="BRANCH",
+              help="Upload to this branch (created from main if missing), as huggingface-cli's --revision.")
+@click.option("--branch", "branch", default=None, hidden=True, help="Old name of --revision.")
+@click.option("--force", is_flag=True, help="Publish even though the output's validation failed (--max-ppl-increase); "
+                                            "the card shows the numbers.")
 @click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token with write access.")
 @click.option("--message", default=None, help="Commit message.")
 @click.option("--no-card", is_flag=True, help="Do not generate README.md (the model card).")
-def publish(output, repo_id, private, branch, token, message, no_card):
+def publish(output, repo_id, private, branch, token, message, no_card, force):
     """Upload a verified conversion OUTPUT to the hub (HF_ENDPOINT selects the server).
 
-    Refuses an incomplete or damaged output. Re-running uploads only what the remote lacks. The
+    Refuses an incomplete or damaged output, and one whose validation failed unless --force. Re-running uploads only what the remote lacks. The
     branch ends up holding exactly this output and its card: files of an earlier conversion are
     deleted in the same single commit (dot-files such as .gitattributes are kept).
     """
     from .publish import publish as do_publish
 
     res = do_publish(output, repo_id, private=private, branch=branch, token=token, commit_message=message,
-                     card=not no_card, echo=lambda m: click.echo(m, err=True))
+                     card=not no_card, echo=lambda m: click.echo(m, err=True), force=force)
     if res.uploaded or res.deleted:
         removed = f"removed {len(res.deleted)} file(s) not in this output; " if res.deleted else ""
         click.echo(f"published {len(res.uploaded)} file(s) ({res.uploaded_bytes / 1e9:.2f} GB) to "

@@ -11,9 +11,10 @@
 * The switch is one commit: weight shards are uploaded to LFS first (invisible until committed),
   then a single commit adds them with the small files and deletes the stale ones, guarded by the
   parent commit. An interruption at any point leaves the branch as it was, never a mix.
-* Generates the model card (README.md) into the upload set; the output directory is not modified.
-  A README.md already in the output (the source model's card, copied by convert) is uploaded as
-  ``SOURCE_README.md`` and linked from the card.
+* Refuses an output whose validation failed (``--max-ppl-increase``) unless ``force``; the card
+  shows the numbers either way.
+* Generates the model card (README.md, ``layout.model_card``) for this repo into the upload set; the
+  output directory is not modified. The source's own card travels as ``SOURCE_README.md``.
 * Transient failures (HTTP 429/5xx, dropped connections) are retried with backoff, re-planning from
   what the remote holds; anything else is one line (KimiQuantError).
 """
@@ -32,13 +33,14 @@ from pathlib import Path
 from ..errors import KimiQuantError
 from ..hashing import sha256_file
 from ..journal import JOURNAL
-from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
+from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
+from ..layout.model_card import CARD, SOURCE_README, fmt_bytes as _fmt_bytes, is_ours, model_card as _card
+from ..layout.model_card import read_json as _read_json
 from ..source.hub import retry_after
 from ..untrusted import inside
 
 log = logging.getLogger(__name__)
 
-SOURCE_README = "SOURCE_README.md"
 NOT_UPLOADED = (JOURNAL,)
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model", ".gguf", ".tiktoken")
 UPLOAD_CHUNK_FILES = 50  # LFS uploads go in chunks of at most this many files / bytes, one progress line each
@@ -62,8 +64,9 @@ class PublishResult:
 
 
 # -- checking the output ---------------------------------------------------------------------------
-def check_output(output_dir: Path) -> dict | None:
-    """Raise KimiQuantError unless ``output_dir`` is a complete, verified conversion."""
+def check_output(output_dir: Path, force: bool = False) -> dict | None:
+    """Raise KimiQuantError unless ``output_dir`` is a complete, verified conversion whose validation,
+    if any, passed (``force``: publish a failed one too)."""
     if not output_dir.is_dir():
         raise PublishError(f"{output_dir}: not a directory")
     for name in (DESCRIPTION, INDEX):
@@ -80,104 +83,19 @@ def check_output(output_dir: Path) -> dict | None:
         if not (output_dir / s).is_file():
             raise PublishError(f"{output_dir}: shard {s} named in the index is missing; refusing to publish")
     try:
+        from ..validate.gate import failed_validation
         from ..verify import verify_output
     except ImportError:  # older trees: the structural checks above are all we have
         return None
     try:
-        return verify_output(output_dir)
+        summary = verify_output(output_dir)
     except KimiQuantError as e:
         raise PublishError(f"refusing to publish: {e}") from None
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError, RecursionError):
-        return None
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-# -- the model card -----------------------------------------------------------------------------------
-TARGET_WORDS = {
-    "a3": ("Atlas 800I A3 / Atlas 900 A3 SuperPoD", "W4A8 integer: int4 weights, int8 dynamic activations"),
-    "950dt": ("Ascend 950DT", "W4A8 MXFP: MXFP4 weights, MXFP8 dynamic activations"),
-}
-
-
-def model_card(output_dir: Path, repo_id: str, verify_summary: dict | None, has_source_readme: bool) -> str:
-    prov = _read_json(output_dir / PROVENANCE) or {}
-    val = _read_json(output_dir / VALIDATION)
-    desc = _read_json(output_dir / DESCRIPTION) or {}
-    index = _read_json(output_dir / INDEX) or {}
-    source = prov.get("source") or "unknown"
-    revision = prov.get("revision")
-    target = str(prov.get("target") or "")
-    device, scheme = TARGET_WORDS.get(target, (target or "unknown", desc.get("model_quant_type", "")))
-    recipe = prov.get("recipe")
-    recipe_name = recipe.get("name") if isinstance(recipe, dict) else recipe
-    recipe_sha = recipe.get("sha256") if isinstance(recipe, dict) else None
-    shards = sorted(set((index.get("weight_map") or {}).values()))
-    weights_bytes = sum((output_dir / s).stat().st_size for s in shards if (output_dir / s).exists())
-    inputs = prov.get("inputs") or {}
-    in_bytes = sum(int(v.get("size", 0)) for v in inputs.values() if isinstance(v, dict))
-    types: dict[str, int] = {}
-    for k, v in desc.items():
-        if isinstance(v, str) and k not in ("version", "model_quant_type"):
-            types[v] = types.get(v, 0) + 1
-    base_model = source if "/" in source and not source.startswith(("/", ".", "~")) else None
-
-    lines = ["---", "library_name: vllm", "tags:", "- ascend", "- quantized", "- ascendV1",
-             f"- {desc.get('model_quant_type', 'quantized').lower()}"]
-    if base_model:
-        lines += [f"base_model: {base_model}", "base_model_relation: quantized"]
-    lines += ["---", "", f"# {repo_id.split('/')[-1]}", "",
-              f"Quantized for **{device}** in Huawei's ascendV1 format ({scheme}) by kimi-quant "
-              f"{prov.get('tool_version', '')}.", "",
-              "| | |", "|---|---|",
-              f"| Source | `{source}`" + (f" @ `{revision}`" if revision else "") + " |",
-              f"| Target | `{target}`: {device} |",
-              f"| Model quant type | `{desc.get('model_quant_type', '?')}` (group size {desc.get('group_size', '?')}) |",
-              f"| Recipe | `{recipe_name}`" + (f" (sha256 `{recipe_sha[:16]}`)" if recipe_sha else "") + " |",
-              f"| Weights | {len(shards)} shards, {_fmt_bytes(weights_bytes)}" +
-              (f" (source: {_fmt_bytes(in_bytes)} in {len(inputs)} shards)" if in_bytes else "") + " |"]
-    if types:
-        lines.append("| Tensors by type | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
-    from ..calibrate.config import describe
-
-    lines.append(f"| Calibration | {describe(prov.get('calibration'))} |")
-    if verify_summary:
-        lines.append(f"| Verified | {verify_summary.get('shards')} shards, {verify_summary.get('tensors')} tensors "
-                     "checked against the conversion journal (sha256) |")
-    lines += ["", "## Validation", ""]
-    if val:
-        lines += ["```json", json.dumps(val, indent=2, sort_keys=True)[:20000], "```", "",
-                  f"Full report: `{VALIDATION}`."]
-    else:
-        lines.append("No validation report was produced for this conversion (run `kimi-quant validate`).")
-    tp = "16" if target == "a3" else "8"
-    lines += ["", "## Serving with vLLM-Ascend", "",
-              "```bash",
-              f"hf download {repo_id} --local-dir ./model",
-              f"vllm serve ./model --quantization ascend --tensor-parallel-size {tp} --enable-expert-parallel \\",
-              "    --trust-remote-code --max-model-len 32768",
-              "```", "",
-              "The loader reads `quant_model_description.json` and does the NZ cast, transposes and int4 packing "
-              "views at load time; the files here are plain ND tensors. Adjust parallelism to your cluster.", "",
-              "## Provenance", "",
-              f"`{PROVENANCE}` records the source repo and revision, the sha256 of every input shard, the target, "
-              "the recipe and the tool version."]
-    if has_source_readme:
-        lines += ["", f"The source model's own card is kept as [`{SOURCE_README}`]({SOURCE_README}); "
-                      "its license terms apply to these weights."]
-    return "\n".join(lines) + "\n"
+    failed = failed_validation(summary.get("validation"))
+    if failed and not force:
+        raise PublishError(f"refusing to publish {output_dir}: {failed}; --force publishes it anyway (its card "
+                           "shows the numbers)")
+    return summary
 
 
 # -- planning -----------------------------------------------------------------------------------------
@@ -209,7 +127,7 @@ def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card
     items: list[_Item] = []
     prov = _read_json(output_dir / PROVENANCE) or {}
     known = {k: v.get("sha256") for k, v in (prov.get("outputs") or {}).items() if isinstance(v, dict)}
-    has_readme = False
+    has_source_card = (output_dir / SOURCE_README).is_file()
     for p in sorted(output_dir.rglob("*")):
         rel = p.relative_to(output_dir).as_posix()
         if not p.is_file() or any(part.startswith(".") for part in rel.split("/")):
@@ -222,28 +140,30 @@ def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card
         size = p.stat().st_size
         lfs = rel.endswith(LFS_SUFFIXES) or size >= 10 * 1024 * 1024
         target = rel
-        if rel == "README.md" and card:
-            target, has_readme = SOURCE_README, True
+        if rel == CARD and card:
+            if is_ours(p) or has_source_card:
+                continue  # generated below, for this repo
+            target = SOURCE_README  # an output of an older kimi-quant: the source's card, copied as README.md
         # sha256 known from the provenance only after verify_output re-hashed the shards against the journal
         sha = known.get(rel) if verify_summary is not None else None
         items.append(_Item(target, p, None, size, lfs, sha))
     if card:
-        text = model_card(output_dir, repo_id, verify_summary, has_readme).encode()
-        items.append(_Item("README.md", None, text, len(text), False))
+        text = _card(output_dir, repo_id, verify_summary).encode()
+        items.append(_Item(CARD, None, text, len(text), False))
     return items
 
 
 # -- the upload -----------------------------------------------------------------------------------------
 def publish(output_dir, repo_id: str, private: bool = False, branch: str | None = None, token: str | None = None,
             endpoint: str | None = None, commit_message: str | None = None, card: bool = True, retries: int = 5,
-            backoff: float = 2.0, verify: bool = True, echo=None) -> PublishResult:
+            backoff: float = 2.0, verify: bool = True, echo=None, force: bool = False) -> PublishResult:
     """Create ``repo_id`` if needed and upload ``output_dir`` to ``branch`` (default main); see module doc."""
 
     from huggingface_hub import HfApi, constants
 
     output_dir = Path(output_dir).expanduser().resolve()
     say = echo or (lambda msg: log.info("%s", msg))
-    summary = check_output(output_dir) if verify else None
+    summary = check_output(output_dir, force) if verify else None
     if "/" not in repo_id or repo_id.count("/") != 1:
         raise PublishError(f"--repo-id must be ORG/NAME, got {repo_id!r}")
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")

@@ -28,8 +28,8 @@ class W4A8Dynamic(Codec):
     On disk: ``weight`` int8 [N/2, K] (nibbles packed along N: byte[j,k] = q[2j,k] & 0xF | q[2j+1,k] << 4),
     ``weight_scale`` / ``weight_offset`` float32 [N, 1], ``scale_bias`` float32 [N, 1] (gate/up) or
     [N, 16] (down: 16 partial sums over contiguous K/16 chunks) = 8 * sum_k q[n,k] * s[n].
-    Scale choice: see ``numerics.int4_search_scale`` (grid + least-squares refit, never worse than
-    absmax round-to-nearest).
+    Scale (data-free): the smallest that clips nothing, max(max(w)/7, -min(w)/8) per row
+    (``numerics.int4_scale``); with a hessian, GPTQ on that grid (``gptq``).
     """
 
     name = "W4A8_DYNAMIC"
@@ -81,7 +81,7 @@ class W4A8Dynamic(Codec):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = load_kernels().int4_kernel(
-            w, res["weight"], res["weight_scale"], res["scale_bias"], nm.INT4_GRID, nm.INT4_MAX_ITERS
+            w, res["weight"], res["weight_scale"], res["scale_bias"]
         )
         if bad >= 0:
             _raise_nonfinite(w, bad)

@@ -10,10 +10,9 @@ exponent bits all ones); the caller turns that into ``numerics.NonFiniteWeight``
 Bit identity with the reference rests on doing the same IEEE operations in the same order:
 float32 division ``w / s``, ``rint`` (half to even), float64 sums that are either exact
 (int4: integer-valued terms) or follow the same fixed halving tree (MX block errors).
-Nothing here uses fastmath, except where the sums are exact whatever the order: the int4 passes
-(integer-valued float32 chunks of 12-bit limbs or, where provably equivalent, one 14-bit limb;
-see ``_int4_one_limb``), the int4 code sums, and the MX float32 SSE screen (``_mx_screen``: it only
-decides blocks whose margin exceeds every rounding error; the rest take the exact float64 tree).
+Nothing here uses fastmath, except where the sums are exact whatever the order: the int4 code
+sums, and the MX float32 SSE screen (``_mx_screen``: it only decides blocks whose margin exceeds
+every rounding error; the rest take the exact float64 tree).
 
 Vector width: numba types uint16/uint32 arithmetic as 64-bit, which quarters the lanes of element
 loops, and only vectorises loops whose indices it can prove non-negative.  So the element-level
@@ -33,17 +32,13 @@ workers so that they do not all compile at once.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numerics import (BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK, INT4_CHUNK, INT4_FIX_BITS, INT4_GRID, INT4_LIMB_BITS,
-                       INT4_M_BITS, INT4_M_CHUNK,
-                       INT4_MAX_ITERS, INT4_REFIT_OMEGA)
+from .numerics import BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK
 from . import numerics as _nm
 
 _E2M1 = E2M1_VALUES.copy()
@@ -251,424 +246,71 @@ def int8_kernel(w, q_out, s_out):
 # ------------------------------------------------------------------------------------------ int4
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _int4_chunk_div(x, wl, wh, s):
-    """As ``_int4_chunk_rcp`` with q = clip(rint(x / s), -8, 7) (the absmax candidate)."""
-    al = np.float32(0.0)
-    ah = np.float32(0.0)
-    aq = np.float32(0.0)
-    lo = np.float32(-8.0)
-    hi = np.float32(7.0)
-    for k in range(x.shape[0]):
-        t = np.rint(x[k] / s)
-        t = min(max(t, lo), hi)
-        al += wl[k] * t
-        ah += wh[k] * t
-        aq += t * t
-    return al, ah, aq
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _int4_chunk_rcp(x, wl, wh, r):
-    """One chunk (<= INT4_CHUNK elements) of ``_int4_pass_rcp``: float32 sums, all exact integers.
-
-    |wl|, |wh| < 2^12 and |q| <= 8, so every product is < 2^15 and any partial sum of <= 512 of
-    them is < 2^24: exact in float32 whatever the order (vectorised, FMA-contracted).  The
-    multiply x * r must stay a multiply: r comes in as an argument, so LLVM cannot turn
-    x * (1 / s) back into x / s (it does that under ``reassoc`` when it sees the division).
-    """
-    al = np.float32(0.0)
-    ah = np.float32(0.0)
-    aq = np.float32(0.0)
-    lo = np.float32(-8.0)
-    hi = np.float32(7.0)
-    for k in range(x.shape[0]):
-        t = np.rint(x[k] * r)
-        t = min(max(t, lo), hi)
-        al += wl[k] * t
-        ah += wh[k] * t
-        aq += t * t
-    return al, ah, aq
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _int4_chunk_rcp4(x, wl, wh, r0, r1, r2, r3, acc):
-    """``_int4_chunk_rcp`` for four reciprocals at once (one read of x, wl, wh); acc[3 * c + i] += sums."""
-    a0 = np.float32(0.0)
-    b0 = np.float32(0.0)
-    q0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    b1 = np.float32(0.0)
-    q1 = np.float32(0.0)
-    a2 = np.float32(0.0)
-    b2 = np.float32(0.0)
-    q2 = np.float32(0.0)
-    a3 = np.float32(0.0)
-    b3 = np.float32(0.0)
-    q3 = np.float32(0.0)
-    lo = np.float32(-8.0)
-    hi = np.float32(7.0)
-    for k in range(x.shape[0]):
-        xk = x[k]
-        lk = wl[k]
-        hk = wh[k]
-        t = min(max(np.rint(xk * r0), lo), hi)
-        a0 += lk * t
-        b0 += hk * t
-        q0 += t * t
-        t = min(max(np.rint(xk * r1), lo), hi)
-        a1 += lk * t
-        b1 += hk * t
-        q1 += t * t
-        t = min(max(np.rint(xk * r2), lo), hi)
-        a2 += lk * t
-        b2 += hk * t
-        q2 += t * t
-        t = min(max(np.rint(xk * r3), lo), hi)
-        a3 += lk * t
-        b3 += hk * t
-        q3 += t * t
-    acc[0] += np.float64(a0)
-    acc[1] += np.float64(b0)
-    acc[2] += np.float64(q0)
-    acc[3] += np.float64(a1)
-    acc[4] += np.float64(b1)
-    acc[5] += np.float64(q1)
-    acc[6] += np.float64(a2)
-    acc[7] += np.float64(b2)
-    acc[8] += np.float64(q2)
-    acc[9] += np.float64(a3)
-    acc[10] += np.float64(b3)
-    acc[11] += np.float64(q3)
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _int4_pass_m(x, wm, sr, by_div):
-    """One-limb pass: (sum(wm q), sum(q q)) as exact float64, for q = clip(rint(x / sr)) (by_div) or
-    clip(rint(x * sr)); wm = trunc(x 2^(14-e)).  |wm| < 2^14 and |q| <= 8, so any partial sum of
-    <= INT4_M_CHUNK = 128 products is < 2^24: exact in float32 whatever the order (vectorised,
-    FMA-contracted); the chunk sums are integers < 2^53, exact in float64 in any order too."""
-    K = x.shape[0]
-    sh = 0.0
-    sq = 0.0
-    lo = np.float32(-8.0)
-    hi = np.float32(7.0)
-    for c in range(0, K, INT4_M_CHUNK):
-        e = min(c + INT4_M_CHUNK, K)
-        ah = np.float32(0.0)
-        aq = np.float32(0.0)
-        xc = x[c:e]  # slices: indices from 0 vectorise (c + k would carry a negative-index check)
-        wc = wm[c:e]
-        if by_div:
-            for k in range(xc.shape[0]):
-                t = min(max(np.rint(xc[k] / sr), lo), hi)
-                ah += wc[k] * t
-                aq += t * t
-        else:
-            for k in range(xc.shape[0]):
-                t = min(max(np.rint(xc[k] * sr), lo), hi)
-                ah += wc[k] * t
-                aq += t * t
-        sh += np.float64(ah)
-        sq += np.float64(aq)
-    return sh, sq
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _int4_split_g0(x, wm, pm, s0):
-    """Writes wm = trunc(x * pm) (pm = 2^(14-e), one exact power-of-two multiply: nothing for
-    fastmath to reassociate) and returns ``_int4_pass_m`` for the absmax candidate (by division)
-    in the same read of the row."""
-    K = x.shape[0]
-    sh = 0.0
-    sq = 0.0
-    lo = np.float32(-8.0)
-    hi = np.float32(7.0)
-    for c in range(0, K, INT4_M_CHUNK):
-        e = min(c + INT4_M_CHUNK, K)
-        xc = x[c:e]
-        wc = wm[c:e]
-        ah = np.float32(0.0)
-        aq = np.float32(0.0)
-        for k in range(xc.shape[0]):
-            xk = xc[k]
-            mk = np.float32(np.int32(xk * pm))
-            wc[k] = mk
-            t = min(max(np.rint(xk / s0), lo), hi)
-            ah += mk * t
-            aq += t * t
-        sh += np.float64(ah)
-        sq += np.float64(aq)
-    return sh, sq
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _int4_pass_m4(x, wm, r1, r2, r3, r4, acc):
-    """``_int4_pass_m`` by reciprocal for four candidates in one read of the row: acc[2 i], acc[2 i + 1]."""
-    K = x.shape[0]
-    lo = np.float32(-8.0)
-    hi = np.float32(7.0)
-    acc[:8] = 0.0
-    for c in range(0, K, INT4_M_CHUNK):
-        e = min(c + INT4_M_CHUNK, K)
-        xc = x[c:e]
-        wc = wm[c:e]
-        a1 = np.float32(0.0)
-        q1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        q2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        q3 = np.float32(0.0)
-        a4 = np.float32(0.0)
-        q4 = np.float32(0.0)
-        for k in range(xc.shape[0]):
-            xk = xc[k]
-            mk = wc[k]
-            t = min(max(np.rint(xk * r1), lo), hi)
-            a1 += mk * t
-            q1 += t * t
-            t = min(max(np.rint(xk * r2), lo), hi)
-            a2 += mk * t
-            q2 += t * t
-            t = min(max(np.rint(xk * r3), lo), hi)
-            a3 += mk * t
-            q3 += t * t
-            t = min(max(np.rint(xk * r4), lo), hi)
-            a4 += mk * t
-            q4 += t * t
-        acc[0] += np.float64(a1)
-        acc[1] += np.float64(q1)
-        acc[2] += np.float64(a2)
-        acc[3] += np.float64(q2)
-        acc[4] += np.float64(a3)
-        acc[5] += np.float64(q3)
-        acc[6] += np.float64(a4)
-        acc[7] += np.float64(q4)
-
-
 @njit(cache=True)
-def _int4_one_limb(vstar, sr, by_div):
-    """True when the one-limb pass is exact: wm = trunc(x 2^(14-e)) = wf / 2^10 exactly unless
-    |x| < 2^(e-7) (a bf16 x has 8 significant bits; wm's unit is 2^(e-14)), and those all quantize
-    to 0 iff the largest such bf16 magnitude vstar = (1 - 2^-8) 2^(e-7) does (rint(x * r) and
-    rint(x / s) are monotone in |x|).  Then sum(wf q) = 2^10 sum(wm q) exactly.  vstar = 0 disables
-    the shortcut (rows so tiny that vstar would not be a normal float32)."""
-    if vstar == 0:
-        return False
-    t = np.rint(vstar / sr) if by_div else np.rint(vstar * sr)
-    return t == 0
-
-
-@njit(cache=True)
-def _int4_limbs(xf, wl, wh, p1, p2, lim):
-    """wf = trunc(x * 2^k) (< 2^24 in magnitude: exact in float32), split into two 12-bit limbs
-    (wh, wl), all in float32 lanes, computed once per row on first use (lim[0]).  2^k = p1 * p2 is
-    applied in two exact power-of-two steps (each within float32 range); a step that lands in the
-    subnormal range only does so for values whose trunc is 0 anyway.  trunc via int32 conversion
-    (|v| < 2^24; vectorises, unlike a truncf call)."""
-    if lim[0]:
-        return
-    lim[0] = True
-    limb = np.float32(1 << INT4_LIMB_BITS)
-    limb_inv = np.float32(1.0) / limb
-    for i in range(xf.shape[0]):
-        v = np.float32(np.int32((xf[i] * p1) * p2))
-        h = np.float32(np.int32(v * limb_inv))
-        wh[i] = h
-        wl[i] = v - h * limb
-
-
-@njit(cache=True)
-def _int4_pass(xf, wl, wh, wm, sr, by_div, limb_scale, chunk, vstar, p1, p2, lim):
-    """(sum(wf q), sum(q q)) with wf = wh * limb_scale + wl, exact in float64, for
-    q = clip(rint(x / sr), -8, 7) (by_div) or clip(rint(x * sr), -8, 7) (sr = float32(1/s))."""
-    K = xf.shape[0]
-    sl = 0.0
-    sh = 0.0
-    sq = 0.0
-    if _int4_one_limb(vstar, sr, by_div):
-        sm, sq = _int4_pass_m(xf, wm, sr, by_div)
-        return sm * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS)), sq
-    _int4_limbs(xf, wl, wh, p1, p2, lim)
-    for c in range(0, K, chunk):
-        e = min(c + chunk, K)
-        if by_div:
-            al, ah, aq = _int4_chunk_div(xf[c:e], wl[c:e], wh[c:e], sr)
-        else:
-            al, ah, aq = _int4_chunk_rcp(xf[c:e], wl[c:e], wh[c:e], sr)
-        sl += np.float64(al)
-        sh += np.float64(ah)
-        sq += np.float64(aq)
-    return sh * limb_scale + sl, sq
-
-
-@njit(cache=True)
-def _rcp_f32(s):
-    """numerics.int4_reciprocal for one scale: float32(1 / s), +inf on overflow (no fastmath here)."""
-    return np.float32(1.0) / s
-
-
-@njit(cache=True)
-def _int4_row_scale(xf, wl, wh, wm, amax_bits, tmp, grid, max_iters, out_div, acc):
-    """numerics.int4_search_scale for one row whose float32 values are in xf; out_div[0] = by_div."""
-    K = xf.shape[0]
-    out_div[0] = True
-    if amax_bits == 0:
-        return np.float32(1.0)
-    amax = _bits_to_f32(amax_bits, tmp)
-    _, e = math.frexp(np.float64(amax))
-    k = INT4_FIX_BITS - e
-    pinv = math.ldexp(1.0, -k)
-    # 2^k = p1 * p2 (see _int4_limbs: the two-limb split of wf is only computed if a candidate needs it)
-    p1 = np.float32(math.ldexp(1.0, k - k // 2))
-    p2 = np.float32(math.ldexp(1.0, k // 2))
-    limb = np.float32(1 << INT4_LIMB_BITS)
-    lim = out_div  # scratch flag: limbs computed for this row (out_div is only written at the end)
-    lim[0] = False
-    m_inv = np.float32(1.0 / (1 << (INT4_FIX_BITS - INT4_M_BITS)))  # wm = trunc(wf / 2^10) = trunc(x 2^(14-e))
-    # largest bf16 magnitude below 2^(e-7) (see _int4_one_limb), 0 when it would not be a normal float32
-    vstar = np.float32(math.ldexp(1.0 - 2.0**-8, e - 7)) if e - 7 > -126 else np.float32(0.0)
-    s0 = amax / np.float32(7.0)
-    g0_one = _int4_one_limb(vstar, s0, True)
-    a0 = 0.0
-    b0 = 0.0
-    if g0_one:
-        # vstar != 0, so 2^(14-e) is a normal float32: wm in one multiply, with the g0 pass
-        a0, b0 = _int4_split_g0(xf, wm, np.float32(math.ldexp(1.0, INT4_M_BITS - e)), s0)
-        a0 = a0 * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS))
-    else:
-        for i in range(K):
-            v = np.float32(np.int32((xf[i] * p1) * p2))
-            wm[i] = np.float32(np.int32(v * m_inv))
-    s = s0
-    best = 0.0
-    sxq = 0.0
-    sqq = 0.0
-    div = True
-    G = grid.shape[0]
-    fused = G == 5  # the four non-absmax grid points in one pass, when all their reciprocals are finite
-    for g in range(1, G):
-        fused = fused and np.isfinite(_rcp_f32(s0 * grid[g]))
-    one = False
-    if fused:
-        r1 = _rcp_f32(s0 * grid[1])
-        r2 = _rcp_f32(s0 * grid[2])
-        r3 = _rcp_f32(s0 * grid[3])
-        r4 = _rcp_f32(s0 * grid[4])
-        # the largest reciprocal decides for all four (the one-limb test is monotone in r)
-        one = _int4_one_limb(vstar, max(max(r1, r2), max(r3, r4)), False)
-        if one:
-            _int4_pass_m4(xf, wm, r1, r2, r3, r4, acc)
-        else:
-            acc.fill(0.0)
-            _int4_limbs(xf, wl, wh, p1, p2, lim)
-            for c in range(0, K, INT4_CHUNK):
-                e = min(c + INT4_CHUNK, K)
-                _int4_chunk_rcp4(xf[c:e], wl[c:e], wh[c:e], r1, r2, r3, r4, acc)
-    for g in range(G):
-        st = s0 * grid[g]
-        r = _rcp_f32(st)
-        dv = g == 0 or not np.isfinite(r)
-        if g == 0 and g0_one:
-            a, b = a0, b0
-        elif fused and one and g > 0:
-            a, b = acc[2 * (g - 1)] * np.float64(1 << (INT4_FIX_BITS - INT4_M_BITS)), acc[2 * (g - 1) + 1]
-        elif fused and g > 0:
-            i = 3 * (g - 1)
-            a, b = acc[i + 1] * np.float64(limb) + acc[i], acc[i + 2]
-        else:
-            a, b = _int4_pass(xf, wl, wh, wm, st if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar, p1, p2, lim)
-        a = a * pinv
-        sd = np.float64(st)
-        e_t = sd * sd * b - 2.0 * sd * a
-        if g == 0 or e_t < best:
-            s, best, sxq, sqq, div = st, e_t, a, b, dv
-    for _ in range(max_iters):
-        if not sqq > 0.0:
-            break
-        sd = np.float64(s)
-        s_new = np.float32(sd + INT4_REFIT_OMEGA * (sxq / sqq - sd))
-        if not (s_new > 0) or s_new == s:
-            break
-        r = _rcp_f32(s_new)
-        dv = not np.isfinite(r)
-        a, b = _int4_pass(xf, wl, wh, wm, s_new if dv else r, dv, np.float64(limb), INT4_CHUNK, vstar, p1, p2, lim)
-        a = a * pinv
-        sd = np.float64(s_new)
-        e_new = sd * sd * b - 2.0 * sd * a
-        if not e_new < best:
-            break
-        s, best, sxq, sqq, div = s_new, e_new, a, b, dv
-    out_div[0] = div
-    return s
-
-
-@njit(cache=True, fastmath={"reassoc"})
-def _int4_row_final(xf, s, by_div, qrow, chunks, qsum):
-    """Codes of one row into qrow (int8), q = clip(rint(x / s)) (by_div) or clip(rint(x * float32(1/s))),
-    and their sums over ``chunks`` contiguous K chunks.
-
-    The sums are of integers, |sum| <= 8 * K < 2^24: exact in float32 in any order."""
-    K = xf.shape[0]
-    lo = np.float32(-8.0)
-    hi = np.float32(7.0)
-    sr = s if by_div else _rcp_f32(s)
-    L = K // chunks
-    for c in range(chunks):
-        xc = xf[c * L:(c + 1) * L]  # slices: indices from 0 vectorise
-        qc = qrow[c * L:(c + 1) * L]
-        acc = np.float32(0.0)
-        if by_div:
-            for k in range(L):
-                t = min(max(np.rint(xc[k] / sr), lo), hi)
-                qc[k] = np.int8(np.int32(t))
-                acc += t
-        else:
-            for k in range(L):
-                t = min(max(np.rint(xc[k] * sr), lo), hi)
-                qc[k] = np.int8(np.int32(t))
-                acc += t
-        qsum[c] = np.int64(acc)
-
-
-@njit(cache=True)
-def _int4_row(w, n, xu, wl, wh, wm, qrow, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters, acc):
-    """Search the scale of row n, write its scale and scale_bias, leave its codes in qrow; -1 or n if non-finite."""
-    m = _row_to_f32(w, n, xu)
+def _int4_row(w, n, xu, qrow, qsum, s_out, bias_out):
+    """Row n: its scale (``numerics.int4_scale``), scale_bias, and its codes in qrow; -1, or n if non-finite."""
+    row = w[n]
+    K = row.shape[0]
+    xf = xu.view(np.float32)
+    hi = np.float32(0.0)  # max(w, 0)
+    lo = np.float32(0.0)  # min(w, 0)
+    m = np.uint16(0)
+    for k in range(K):
+        b = row[k]
+        x = _bf16_f32(b)
+        xf[k] = x
+        hi = max(hi, x)
+        lo = min(lo, x)
+        m = max(m, _abs16(b))
     if m >= 0x7F80:
         return n
-    xf = xu.view(np.float32)
-    s = _int4_row_scale(xf, wl, wh, wm, m, tmp, grid, max_iters, bdiv, acc)
+    s = max(hi / np.float32(7.0), -lo / np.float32(8.0))
+    if m == 0:
+        s = np.float32(1.0)
+    elif not s > 0:
+        s = np.float32(_nm.INT4_MIN_SCALE)
     s_out[n, 0] = s
     chunks = qsum.shape[0]
-    _int4_row_final(xf, s, bdiv[0], qrow, chunks, qsum)
+    _int4_row_codes(xf, s, qrow, chunks, qsum)
     sd = np.float64(s)
     for c in range(chunks):
         bias_out[n, c] = np.float32(8.0 * np.float64(qsum[c]) * sd)
     return -1
 
 
-@njit(cache=True)
-def int4_kernel(w, packed_out, s_out, bias_out, grid, max_iters):
-    """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks].
+@njit(cache=True, fastmath={"reassoc"})
+def _int4_row_codes(xf, s, qrow, chunks, qsum):
+    """Codes of one row into qrow (int8), q = clip(rint(x / s), -8, 7), and their sums over
+    ``chunks`` contiguous K chunks.  The sums are of integers, |sum| <= 8 * K < 2^24: exact in
+    float32 in any order (the only fast-math op)."""
+    K = xf.shape[0]
+    lo = np.float32(-8.0)
+    hi = np.float32(7.0)
+    L = K // chunks
+    for c in range(chunks):
+        xc = xf[c * L:(c + 1) * L]  # slices: indices from 0 vectorise
+        qc = qrow[c * L:(c + 1) * L]
+        acc = np.float32(0.0)
+        for k in range(L):
+            t = min(max(np.rint(xc[k] / s), lo), hi)
+            qc[k] = np.int8(np.int32(t))
+            acc += t
+        qsum[c] = np.int64(acc)
 
-    grid / max_iters: numerics.INT4_GRID / INT4_MAX_ITERS (passed in so they stay data)."""
+
+@njit(cache=True)
+def int4_kernel(w, packed_out, s_out, bias_out):
+    """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks]."""
     N, K = w.shape
     xu = np.empty(K, dtype=np.uint32)
-    wl = np.empty(K, dtype=np.float32)
-    wh = np.empty(K, dtype=np.float32)
-    wm = np.empty(K, dtype=np.float32)
-    bdiv = np.empty(1, dtype=np.bool_)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
     qsum = np.empty(bias_out.shape[1], dtype=np.int64)
-    tmp = np.empty(1, dtype=np.uint32)
-    acc = np.empty(12, dtype=np.float64)
     for j in range(N // 2):
-        bad = _int4_row(w, 2 * j, xu, wl, wh, wm, q0, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters, acc)
+        bad = _int4_row(w, 2 * j, xu, q0, qsum, s_out, bias_out)
         if bad >= 0:
             return bad
-        bad = _int4_row(w, 2 * j + 1, xu, wl, wh, wm, q1, qsum, tmp, bdiv, s_out, bias_out, grid, max_iters, acc)
+        bad = _int4_row(w, 2 * j + 1, xu, q1, qsum, s_out, bias_out)
         if bad >= 0:
             return bad
         for k in range(K):
@@ -886,7 +528,6 @@ def warmup() -> None:
 def _warm(w) -> None:
     int8_kernel(w, np.empty((2, 32), np.int8), np.empty((2, 1), np.float32))
     for chunks in (1, 16):
-        int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, chunks), np.float32),
-                    INT4_GRID, INT4_MAX_ITERS)
+        int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, chunks), np.float32))
     mxfp4_kernel(w, np.empty((2, 16), np.uint8), np.empty((2, 1), np.uint8))
     mxfp8_kernel(w, np.empty((2, 32), np.uint8), np.empty((2, 1), np.uint8))

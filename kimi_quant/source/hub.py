@@ -57,8 +57,9 @@ class _Transient(Exception):
 
 
 def default_work_dir(repo_id: str) -> Path:
-    base = os.environ.get("KIMI_QUANT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kimi-quant")
-    return Path(base) / "hub" / repo_id.replace("/", "--")
+    from ..cache import cache_dir
+
+    return cache_dir() / "hub" / repo_id.replace("/", "--")
 
 
 def parse_header_prefix(prefix: bytes, size: int, label: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import KimiQuantError
+from ..errors import KimiQuantError, ValidationFailed
 
 
 class _OneLineError(click.ClickException):
@@ -55,17 +55,32 @@ def _check_source(source: Path, quantized: Path) -> None:
                    "or a hub dataset id (online only).")
 @click.option("--max-tokens", type=int, default=4096, show_default=True, help="Tokens of calibration text to use.")
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Window length (non-overlapping).")
+@click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
+              help="Fail (exit code 3) if quantized perplexity exceeds BF16 by more than PCT percent; the "
+                   "output is then marked as failing (verify fails, publish refuses it unless --force).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="REPORT",
-              help="Write the full report as JSON here.")
+              help="Also write the full report as JSON here (a kimi-quant output always gets its own copy, "
+                   "kimi_quant_validation.json).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
 @click.option("--eager-experts", is_flag=True, hidden=True,
               help="Load every routed expert of a layer up front (reference path; needs ~all experts in fp32).")
-def validate(source, quantized, calibration, max_tokens, seq_len, json_path, quiet, eager_experts):
+def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increase, json_path, quiet, eager_experts):
     """Compare QUANTIZED (an ascendV1 output dir) with its BF16 SOURCE: perplexity on the same windows
     and per-layer cosine / relative error, with the device's activation quantization simulated.
-    A kimi-quant output is verified first (as `kimi-quant verify`): a damaged shard fails, with no ratio."""
+
+    \b
+    cosine     mean over tokens of the cosine similarity between the BF16 and the quantized
+               model's hidden state after that layer (1 = same direction)
+    cos_min    the lowest of those per-token cosines: one badly hit token shows here
+    rel_error  ||x_quant - x_bf16|| / ||x_bf16|| over all tokens
+
+    A kimi-quant output is verified first (as `kimi-quant verify`): a damaged shard fails, with no
+    ratio. The report, the verdict against --max-ppl-increase and the model card's numbers are
+    written into a kimi-quant output, exactly as `convert --validate` does."""
     from ..journal import JOURNAL
+    from ..layout.ascend_v1 import VALIDATION
     from ..verify import verify_output
+    from .gate import record
     from .run import format_table, run_validation
 
     try:
@@ -83,5 +98,14 @@ def validate(source, quantized, calibration, max_tokens, seq_len, json_path, qui
     if not 0.8 <= report["ratio"] <= 2.0:
         click.echo(f"kimi-quant: warning: a perplexity ratio of {report['ratio']:.4f} is implausible for a faithful "
                    f"quantization: is {source} the checkpoint {quantized} was converted from?", err=True)
+    failed = None
+    try:
+        record(quantized, report, max_ppl_increase)  # the report, the verdict and the card, into the output
+    except ValidationFailed as e:
+        failed = e
+    if (Path(quantized) / JOURNAL).exists():
+        click.echo(f"report written to {Path(quantized) / VALIDATION}")
     if json_path:
         click.echo(f"report written to {json_path}")
+    if failed is not None:
+        raise failed  # exit code 3

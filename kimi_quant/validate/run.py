@@ -272,6 +272,8 @@ def format_table(report: dict[str, Any]) -> str:
         e = report["logits"]
         lines.append(f"{'out':>5}  {'logits':<12} {e['cosine']:>10.6f} {e['cosine_min']:>10.6f} {e['rel_error']:>10.3e}"
                      + (f"   KL(bf16 || quant) {e['kl']:.3e} nats/token" if "kl" in e else ""))
+    lines.append("(cosine: mean over tokens of the cosine between the BF16 and the quantized hidden state; cos_min: "
+                 "the lowest token's; rel_error: ||x_q - x_bf16|| / ||x_bf16||)")
     lines.append("")
     lines.append(f"perplexity BF16 {report['ppl_bf16']:.4f}   quantized {report['ppl_quant']:.4f}   "
                  f"ratio {report['ratio']:.4f}   ({report['tokens']} tokens scored, {report['windows']} windows "

@@ -1,0 +1,221 @@
+"""Sizing a conversion before it runs (``kimi-quant plan``): disk, memory and wall time.
+
+The time estimate is arithmetic over the plan with rates measured on this machine: the workers'
+own code (``convert_unit``) converts a sample shard, one small unit per scheme (``measure_rates``,
+~1 s with the kernels cached), so a rate holds everything a worker spends on a byte: reading it
+from the page cache, quantizing or copying it, writing and hashing the output, Python around it.
+Rates are CPU seconds of one core per input byte, so the wall time is the core-seconds spread over
+the workers, never less than the slowest output shard. The rates are stored (``rates_path``) and reused until
+the tool version or the CPU changes; ``plan --remeasure`` takes them again.
+
+Not in the estimate: downloading a hub source (it overlaps with converting; the plan states its
+size), and reading a source that is not in the page cache (a disk slower than the codecs bounds
+the run instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .cache import cache_dir
+from .plan import Plan
+from .recipe.recipe import FLOAT
+
+#: the sample each codec quantizes: a real expert row length (K = 3584), 1024 rows (~7 MB of BF16)
+SAMPLE_SHAPE = (1024, 3584)
+#: the driver's own memory (imports, the plan, the journal) and the fixed buffers of a worker
+DRIVER_BYTES = 300 * 1024**2
+WORKER_FIXED_BYTES = 64 * 1024**2
+#: starting the driver and the workers' fork server, and writing the metadata, with the kernels cached
+STARTUP_S = 1.0
+#: compiling every numba kernel on a cold cache (the first run after installing or upgrading)
+COMPILE_S = 15.0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@dataclass
+class Rates:
+    """CPU seconds of one core per BF16 input byte, measured on this machine, per scheme (FLOAT too):
+    everything a worker does for a tensor (map it from the page cache, quantize or copy it, write
+    the output, sha256 it for the journal, Python around it)."""
+
+    per_byte: dict[str, float]
+    cpu: str
+    tool_version: str
+    measured_at: str
+    where: str = ""  # "measured now" or the file they were read from (not stored)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("where")
+        return d
+
+
+def _cpu_time(fn, repeat: int = 3) -> float:
+    """Best of ``repeat`` runs in CPU seconds of this thread: robust when other work shares the cores."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t)
+    return max(best, 1e-9)
+
+
+def measure_rates() -> Rates:
+    """Convert a sample shard with the workers' own code (``convert_unit``), one unit per scheme:
+    two seeded BF16 matrices of SAMPLE_SHAPE each, read from a file in the page cache and written to
+    a temporary directory, and time it."""
+    from .dtypes import f32_to_bf16
+    from .executor.unit import convert_unit
+    from .plan import TensorPlan, UnitPlan, _outputs
+    from .quant import REGISTRY, warmup
+    from .write import ShardWriter
+
+    warmup()  # compiles on a cold numba cache (not part of any rate)
+    rng = np.random.default_rng(0)
+    schemes = [FLOAT, *sorted(REGISTRY)]
+    with tempfile.TemporaryDirectory(prefix="kq-rates-") as d:
+        src = Path(d) / "sample.safetensors"
+        names = [(s, f"{s}.{i}.weight") for s in schemes for i in range(2)]
+        writer = ShardWriter(src, [(n, "BF16", SAMPLE_SHAPE) for _, n in names])
+        for _, n in names:
+            writer.write(n, f32_to_bf16((0.02 * rng.standard_normal(SAMPLE_SHAPE)).astype(np.float32)))
+        writer.commit()
+        per_byte = {}
+        for scheme in schemes:
+            codec = REGISTRY.get(scheme)
+            matmul = "down" if codec is not None and codec.check(SAMPLE_SHAPE, "down") is None else None
+            unit = UnitPlan(f"{scheme}.safetensors", [
+                TensorPlan(n, src.name, "BF16", list(SAMPLE_SHAPE), scheme, matmul,
+                           _outputs(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
+            per_byte[scheme] = _cpu_time(lambda: convert_unit(unit, {src.name: str(src)}, d)) / unit.in_bytes
+    return Rates(per_byte=per_byte, cpu=_cpu_name(), tool_version=__version__,
+                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), where="measured now")
+
+
+def rates_path() -> Path:
+    return cache_dir() / "codec_rates.json"
+
+
+def load_rates(remeasure: bool = False, on_measure=None) -> Rates:
+    """The stored rates of this machine and tool version, else measured now (and stored; ``on_measure``
+    is called first, to say so)."""
+    path = rates_path()
+    if not remeasure:
+        try:
+            d = json.loads(path.read_text())
+            r = Rates(**d)
+            if r.tool_version == __version__ and r.cpu == _cpu_name() and r.per_byte:
+                r.where = str(path)
+                return r
+        except (OSError, ValueError, TypeError):
+            pass
+    if on_measure is not None:
+        on_measure()
+    r = measure_rates()
+    try:
+        from .write import write_json_atomic
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, r.to_json())
+    except OSError:
+        pass  # a read-only cache costs a measurement next time, nothing else
+    return r
+
+
+def unit_core_seconds(plan: Plan, rates: Rates) -> list[float]:
+    """CPU seconds of one core per output shard."""
+    out = []
+    for u in plan.units:
+        s = 0.0
+        for t in u.tensors:
+            s += t.in_bytes * rates.per_byte.get(t.scheme, max(rates.per_byte.values()))
+        out.append(s)
+    return out
+
+
+def calibrate_seconds(plan: Plan, rates: Rates, workers: int) -> float | None:
+    """Wall seconds ``convert --calibrate`` adds, or None while that option does not exist.
+
+    Hook for the calibration feature: return its estimate here and ``plan`` prints it as a line
+    of its own and adds it to the total (``size_job``)."""
+    return None
+
+
+def kernels_cached() -> bool | None:
+    """Whether numba has the kernels cached: in NUMBA_CACHE_DIR when set, else next to their source
+    (None: cannot tell, the source directory is read-only and numba uses a per-user directory)."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        root = Path(os.environ["NUMBA_CACHE_DIR"])
+        return any("kimi_quant" in str(p.parent) for p in root.rglob("kernels.*.nbi")) if root.is_dir() else False
+    quant = Path(__file__).parent / "quant"
+    if not os.access(quant, os.W_OK):
+        return None
+    return any((quant / "__pycache__").glob("kernels.*.nbi"))
+
+
+def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "local", hub: bool = False,
+             max_disk: int | None = None, input_sizes: dict[str, int] | None = None) -> dict:
+    """Disk, memory and time of converting ``plan`` (all numbers; ``plan`` prints them, --json stores them).
+
+    ``hub``: the source is staged shard by shard (``max_disk`` bytes at most; without it the staging
+    default of two shards, or the shards of the largest output shard when that is more)."""
+    sizes = input_sizes or plan.inputs
+    needs = [sum(sizes.get(f, 0) for f in u.needs) for u in plan.units]
+    min_window = max(needs, default=0)
+    staging = None
+    if hub:
+        if max_disk is not None:
+            staging = min(max(max_disk, min_window), sum(sizes.values()))
+        else:
+            staging = max(min_window, sum(sorted(sizes.values())[-2:]))
+    biggest = max((t.in_bytes + t.out_bytes for t in plan.tensors() if t.scheme != FLOAT), default=0)
+    cores = os.cpu_count() or 1
+    parallel = max(1, min(workers, len(plan.units) or 1, cores if executor == "local" else workers))
+    per_worker = biggest + WORKER_FIXED_BYTES
+    job = {
+        "in_bytes": plan.in_bytes, "out_bytes": plan.out_bytes, "units": len(plan.units),
+        "disk_output_bytes": plan.out_bytes,
+        "disk_staging_bytes": staging,
+        "disk_needed_bytes": plan.out_bytes + (staging or 0),
+        "min_max_disk_bytes": min_window if hub else None,
+        "max_disk_too_small": bool(hub and max_disk is not None and max_disk < min_window),
+        "workers": workers, "executor": executor, "parallel": parallel,
+        "memory_per_worker_bytes": per_worker,
+        # local: the driver and its workers on this machine; Ray: the driver here, each task where Ray puts it
+        "memory_peak_bytes": DRIVER_BYTES + (workers * per_worker if executor == "local" else 0),
+        "download_bytes": sum(sizes.values()) if hub else 0,
+    }
+    if rates is not None:
+        per_unit = unit_core_seconds(plan, rates)
+        core_s = sum(per_unit)
+        cached = kernels_cached()
+        compute = max(core_s / parallel, max(per_unit, default=0.0))
+        calib = calibrate_seconds(plan, rates, workers)
+        job.update({
+            "core_seconds": round(core_s, 3),
+            "wall_seconds": round(STARTUP_S + compute + (calib or 0.0), 3),
+            "compile_seconds": 0.0 if cached or executor == "ray" else COMPILE_S if cached is False else None,
+            "calibrate_seconds": calib,
+            "rate_gbps": round(plan.in_bytes / max(compute, 1e-9) / 1e9, 3),
+            "rates": {**rates.to_json(), "from": rates.where},
+        })
+    return job

