@@ -167,13 +167,13 @@ def test_never_routed_expert_is_a_stated_fallback(source, tmp_path):
 
 
 def test_validate_and_card_say_calibrated(calibrated, source):
-    from kimi_quant.publish.publish import model_card
+    from kimi_quant.layout.model_card import model_card
     from kimi_quant.validate.run import format_table, run_validation
 
     rep = run_validation(source, calibrated, max_tokens=256, seq_len=128, progress=False)
     assert rep["output_calibration"]["tokens"] == TOKENS
     assert f"GPTQ on {TOKENS} tokens of builtin:train" in format_table(rep)
-    card = model_card(calibrated, "org/tiny", None, False)
+    card = model_card(calibrated, "org/tiny")
     assert f"| Calibration | GPTQ on {TOKENS} tokens of builtin:train" in card
 
 
