@@ -338,7 +338,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, e
             needs = ", ".join(u.needs[:3]) + (f" (+{len(u.needs) - 3})" if len(u.needs) > 3 else "")
             click.echo(f"  {u.file}  {len(u.tensors):6d} tensors  {_gb(u.out_bytes):>10s}  <- {needs}")
     else:
-        click.echo(f"(-v: tensors per scheme and the output shard list)")
+        click.echo("(-v: tensors per scheme and the output shard list)")
     if json_path:
         click.echo(f"plan written to {json_path}")
 

@@ -340,7 +340,7 @@ def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int 
                 mod.weight.copy_(orig[lname])
         if float_ppl is None:
             float_ppl = ppl
-        werr = mse = worse = None
+        werr = mse = None
         if name != "float":
             for lname in linears:
                 per[lname] = weighted_errors(orig[lname].numpy(), deqs[name][lname], hess[lname])

@@ -48,6 +48,7 @@ def test_plan_sizes_the_job_first(tiny_source, tmp_path, cache_env):
     # the rates were stored and are reused
     assert (tmp_path / "kq-cache" / "codec_rates.json").is_file()
     again = kq("plan", tiny_source, "-t", "950dt", "--workers", "3", "--json", tmp_path / "q.json", env=cache_env)
+    assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "q.json").read_text())["totals"]["rates"]["from"].endswith("codec_rates.json")
 
 

@@ -10,7 +10,6 @@ heuristics get wrong.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -8,7 +8,6 @@ which shards will be needed so a hub source can download ahead within its disk w
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
