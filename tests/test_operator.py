@@ -4,6 +4,7 @@ gates verify and publish, progress numbers that do not mislead, and the CLI's co
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -232,6 +233,27 @@ def test_failed_validation_gates_verify_and_publish(converted_tiny, tmp_path, mo
     v = kq("verify", out)
     assert v.returncode == 0 and "validated: perplexity" in v.stdout and "bound 1000.0%" in v.stdout
     assert "| Result | passed |" in (out / "README.md").read_text()
+
+
+def test_validate_is_refused_while_a_run_holds_the_output(tmp_path):
+    """Standalone ``validate`` writes its report and the card into the output: it takes the output's lock."""
+    from kimi_quant.lock import output_lock
+
+    out = tmp_path / "out"
+    assert kq("convert", FIXTURE, "-t", "950dt", "-o", out, "-q").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    lock = output_lock(out).acquire()
+    try:
+        r = kq("validate", FIXTURE, out, "-q", "--max-ppl-increase", "1000")
+        assert r.returncode == 2
+        assert error_line(r.stderr) == (f"kimi-quant: error: {out} is being written by another kimi-quant run "
+                                        f"(pid {os.getpid()}); wait for it to end, or choose another --output")
+    finally:
+        lock.release()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # nothing written
+    r = kq("validate", FIXTURE, out, "-q", "--max-ppl-increase", "1000")
+    assert r.returncode == 0, r.stderr
+    assert (out / VALIDATION).is_file() and not (out / ".kimi_quant.lock").exists()
 
 
 def test_validate_and_convert_validate_record_the_same(converted_tiny, tmp_path):

@@ -78,22 +78,38 @@ def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increa
     ratio. The report, the verdict against --max-ppl-increase and the model card's numbers are
     written into a kimi-quant output, exactly as `convert --validate` does."""
     from ..journal import JOURNAL
-    from ..layout.ascend_v1 import VALIDATION
+    from ..lock import output_lock
     from ..verify import verify_output
-    from .gate import record
-    from .run import format_table, run_validation
+    from .run import run_validation
 
+    ours = (Path(quantized) / JOURNAL).exists()
+    # a kimi-quant output: it reads the shards and writes the report and card, so no conversion in there meanwhile
+    lock = output_lock(quantized) if ours else None
     try:
-        # Validation reads the output's tensors, not its hashes: a damaged shard would still give a ratio.
-        # Only kimi-quant outputs have a journal to check against; another tool's ascendV1 dir is taken as is.
-        if (Path(quantized) / JOURNAL).exists():
-            verify_output(quantized, rehash=True, quiet=quiet)
-            _check_source(Path(source), Path(quantized))
-        report = run_validation(source, quantized, calibration=calibration, max_tokens=max_tokens,
-                                seq_len=seq_len, json_path=json_path, progress=not quiet,
-                                lazy_experts=not eager_experts)
-    except KimiQuantError as e:
-        raise _OneLineError(str(e)) from e
+        try:
+            if lock is not None:
+                lock.acquire()
+            # Validation reads the output's tensors, not its hashes: a damaged shard would still give a ratio.
+            # Only kimi-quant outputs have a journal to check against; another tool's ascendV1 dir is taken as is.
+            if ours:
+                verify_output(quantized, rehash=True, quiet=quiet)
+                _check_source(Path(source), Path(quantized))
+            report = run_validation(source, quantized, calibration=calibration, max_tokens=max_tokens,
+                                    seq_len=seq_len, json_path=json_path, progress=not quiet,
+                                    lazy_experts=not eager_experts)
+        except KimiQuantError as e:
+            raise _OneLineError(str(e)) from e
+        _report(source, quantized, report, max_ppl_increase, json_path, ours)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _report(source, quantized, report, max_ppl_increase, json_path, ours):
+    from ..layout.ascend_v1 import VALIDATION
+    from .gate import record
+    from .run import format_table
+
     click.echo(format_table(report))
     if not 0.8 <= report["ratio"] <= 2.0:
         click.echo(f"kimi-quant: warning: a perplexity ratio of {report['ratio']:.4f} is implausible for a faithful "
@@ -103,7 +119,7 @@ def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increa
         record(quantized, report, max_ppl_increase)  # the report, the verdict and the card, into the output
     except ValidationFailed as e:
         failed = e
-    if (Path(quantized) / JOURNAL).exists():
+    if ours:
         click.echo(f"report written to {Path(quantized) / VALIDATION}")
     if json_path:
         click.echo(f"report written to {json_path}")
