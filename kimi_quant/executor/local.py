@@ -43,18 +43,38 @@ def _worker_birth():
       the driver alone, which aborts the workers, and no worker prints a KeyboardInterrupt traceback.
       Blocked in this thread, not ignored: a Ctrl-C meanwhile still reaches the driver (through
       another thread, or when the mask is restored) instead of being lost;
-    * single-threaded BLAS / OpenMP (``_ONE_THREAD``, unless the user set them)."""
-    saved_env = {k: os.environ.get(k) for k in _ONE_THREAD}
-    for k, v in _ONE_THREAD.items():
-        os.environ.setdefault(k, v)
+    * single-threaded BLAS / OpenMP (``_ONE_THREAD``, unless the user set them);
+    * no import from the current directory (``_safe_import_path``)."""
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with _environ(_ONE_THREAD, keep_users=True), _safe_import_path():
+            yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str], keep_users: bool = False):
+    """``os.environ`` updated with ``values`` inside (``keep_users``: a variable already set stays as is)."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if not (keep_users and k in os.environ):
+            os.environ[k] = v
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for k, v in saved_env.items():
+        for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _safe_import_path():
+    """Helpers multiprocessing starts as ``python -c ...`` (its resource tracker, the fork server) would
+    have the current directory first on their import path: a ``numba.py`` in the directory the user ran
+    kimi-quant from would be imported, and run, in place of numba. Workers get the driver's own path."""
+    return _environ({"PYTHONSAFEPATH": "1"})
 
 
 def _quiet_resource_tracker() -> None:
@@ -69,7 +89,7 @@ def _quiet_resource_tracker() -> None:
         return  # already running (an earlier executor in this process)
     saved = os.dup(2)
     try:
-        with open(os.devnull, "wb") as null:
+        with open(os.devnull, "wb") as null, _safe_import_path():
             os.dup2(null.fileno(), 2)
             try:
                 tracker.ensure_running()
