@@ -44,19 +44,26 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise BadCheckpoint(f"{path}: truncated (only {size} bytes; not a safetensors file)")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > MAX_HEADER:
-                raise BadCheckpoint(f"{path}: header length {hlen} exceeds the {MAX_HEADER}-byte limit (garbage header?)")
-            if 8 + hlen > size:
-                raise BadCheckpoint(f"{path}: truncated: header claims {hlen} bytes but the file has {size}")
-            raw = f.read(hlen)
+            return read_header_of(f, path)
     except FileNotFoundError:
         raise BadCheckpoint(f"{path}: file not found") from None
+
+
+def read_header_of(f, path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """``read_header`` of the open file ``f`` (named ``path`` in errors): a reader checks and maps one
+    and the same file, even if the name is pointed at another one meanwhile."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+        raise BadCheckpoint(f"{path}: truncated (only {size} bytes; not a safetensors file)")
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > MAX_HEADER:
+        raise BadCheckpoint(f"{path}: header length {hlen} exceeds the {MAX_HEADER}-byte limit (garbage header?)")
+    if 8 + hlen > size:
+        raise BadCheckpoint(f"{path}: truncated: header claims {hlen} bytes but the file has {size}")
+    raw = f.read(hlen)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
     except DuplicateKey as e:
@@ -113,8 +120,15 @@ class SafetensorsReader:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.tensors, self.metadata = read_header(self.path)
-        self._file = open(self.path, "rb")
+        try:
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise BadCheckpoint(f"{self.path}: file not found") from None
+        try:
+            self.tensors, self.metadata = read_header_of(self._file, self.path)
+        except BaseException:
+            self._file.close()
+            raise
         size = os.fstat(self._file.fileno()).st_size
         self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
 
