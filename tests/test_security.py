@@ -629,20 +629,24 @@ def test_layer_lists_out_of_range_are_refused(src):
 
 
 # -- the directory kimi-quant is run from is not an import path -----------------------------------------------------
-def test_a_module_in_the_working_directory_is_never_imported(tiny_source, tmp_path):
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_a_module_in_the_working_directory_is_never_imported(tiny_source, tmp_path, executor):
     """The local executor's fork server starts as ``python -c``, which puts the working directory first on
-    its import path: a ``numba.py`` there ran in every worker. Run as users do, through the console script
-    (``python -m`` puts the working directory on the driver's own path, by the user's choice)."""
+    its import path, and Ray puts the driver's working directory on every worker's path: a ``numba.py``
+    there ran in every worker. Run as users do, through the console script (``python -m`` puts the
+    working directory on the driver's own path, by the user's choice)."""
     script = Path(sys.executable).with_name("kimi-quant")
     if not script.is_file():
         pytest.skip("no kimi-quant console script beside this python (package not installed)")
+    if executor == "ray":
+        pytest.importorskip("ray", reason="ray is not installed")
     cwd = tmp_path / "downloads"
     cwd.mkdir()
     marker = tmp_path / "IMPORTED"
     for module in ("numba", "numpy", "multiprocessing"):
         (cwd / f"{module}.py").write_text(f"import sys; open({str(marker)!r}, 'a').write('{module}:' + repr(sys.argv) + chr(10))\n")
     r = subprocess.run([str(script), "convert", str(tiny_source), "-t", "a3", "-o", str(tmp_path / "out"), "-q",
-                        "--workers", "2"], cwd=cwd, capture_output=True, text=True, timeout=300,
+                        "--workers", "2", "--executor", executor], cwd=cwd, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert not marker.exists(), f"imported from the working directory: {marker.read_text()}"
     assert r.returncode == 0, r.stderr

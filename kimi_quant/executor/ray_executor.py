@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
@@ -197,7 +198,18 @@ class RayExecutor:
 
     @staticmethod
     def _init(address: str | None, workers: int | None) -> None:
-        quiet = dict(logging_level=logging.WARNING, configure_logging=True)
+        # Ray puts the driver's working directory on every worker's import path, ahead of site-packages
+        # (a numba.py in the directory kimi-quant was run from would run in every task), unless the job
+        # has a working_dir: give it an empty one (uploaded once at init; tasks get absolute paths only).
+        empty = tempfile.mkdtemp(prefix="kimi-quant-ray-")
+        try:
+            RayExecutor._init_in(address, workers, dict(logging_level=logging.WARNING, configure_logging=True,
+                                                          runtime_env={"working_dir": empty}))
+        finally:
+            os.rmdir(empty)
+
+    @staticmethod
+    def _init_in(address: str | None, workers: int | None, quiet: dict) -> None:
         env = os.environ.get("RAY_ADDRESS")
         target = env if env and address in (None, "auto") else address  # Ray lets RAY_ADDRESS stand in for these
         if target:
