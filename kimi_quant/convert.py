@@ -12,14 +12,13 @@ import logging
 import sys
 import threading
 import time
-from collections import Counter, deque
-from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import KimiQuantError
 from .executor import make_executor
+from .executor.shards import PART_BYTES, run_shards
 from .hashing import sha256_files
 from .journal import Journal, check_same_conversion
 from .lock import OUTPUT_LOCK, output_lock
@@ -58,6 +57,7 @@ class ConvertOptions:
     source_options: dict = field(default_factory=dict)
     hash_inputs: bool = False  # sha256 local source shards no hub vouched for (~0.55 core-s per GB, as much as converting)
     calibrate: "CalibConfig | None" = None  # GPTQ with Hessians from a layer-streamed forward (kimi_quant.calibrate)
+    part_bytes: int = PART_BYTES  # input bytes per job: shards are written by many workers at once, in parts this size
 
 
 @dataclass
@@ -349,33 +349,20 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
             bar.update(min(n, bar.total - bar.n))  # progress still queued after the end must not pass 100%
 
         executor.on_progress = advance
-        users = Counter(f for u in todo for f in u.needs)
-        source.prefetch([f for f in plan.source_order() if users[f]])
-        pending = deque(todo)
-        can_stage = getattr(source, "can_stage", lambda names: True)
-        inflight = {}
-        while pending or inflight:
-            while pending and len(inflight) < executor.slots:
-                if inflight and not can_stage(pending[0].needs):
-                    break  # its shards would overflow the staging window: wait for running units to release theirs
-                unit = pending.popleft()
-                paths = {f: str(source.fetch(f)) for f in unit.needs}
-                job = unit.to_json()
-                job["hash_inputs"] = sorted(unhashed.intersection(unit.needs))
-                unhashed.difference_update(job["hash_inputs"])
-                inflight[executor.submit(job, paths, str(out_dir))] = unit
-            finished, _ = wait(list(inflight), return_when=FIRST_COMPLETED)
-            for fut in finished:
-                unit = inflight.pop(fut)
-                res = fut.result()
-                for f, sha in (res.get("inputs") or {}).items():
-                    _check_claim(source, f, sha, claimed)
-                    journal.record_input(f, sha, entries[f].stamp)
-                journal.record_unit(res["file"], res["size"], res["sha256"], made_from[unit.file])
-                for f in unit.needs:
-                    users[f] -= 1
-                    if users[f] == 0:
-                        source.release(f)
+        needed = {f for u in todo for f in u.needs}
+        source.prefetch([f for f in plan.source_order() if f in needed])
+
+        def shard_done(unit, size: int, sha: str) -> None:
+            journal.record_unit(unit.file, size, sha, made_from[unit.file])
+
+        def inputs_hashed(shas: dict[str, str]) -> None:
+            for f, sha in shas.items():
+                _check_claim(source, f, sha, claimed)
+                journal.record_input(f, sha, entries[f].stamp)
+
+        # on failure run_shards removes the open shards' .partial files, and convert() aborts the executor
+        run_shards(executor, todo, out_dir, source, unhashed=unhashed, on_inputs=inputs_hashed, on_shard=shard_done,
+                   part_bytes=opts.part_bytes)
         advance(bar.total - bar.n)  # every unit is done: the last frame (in a log too) says 100%
     finally:
         if waiting is not None:

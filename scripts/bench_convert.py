@@ -5,10 +5,13 @@ For each target it runs `kimi-quant convert` as a subprocess on a `synth --prese
 checkpoint and reports, measured in the same run:
   * GB/s of BF16 input, and the ratio to a plain read of the same source bytes;
   * peak RSS of the whole process tree (driver + workers, sampled every 20 ms) and of the largest process;
+  * cores busy: CPU seconds of the whole process tree over the wall time (and the load average, since
+    other work on the machine skews every number here);
   * with --double, the same on a checkpoint with twice the experts (memory must stay flat).
 Optionally (--llm-compressor) runs llm-compressor's model_free_ptq on the same checkpoint when installed.
 
-    python scripts/bench_convert.py --work /tmp/kq-bench [--experts 16] [--double] [--targets a3 950dt]
+    python scripts/bench_convert.py --work /tmp/kq-bench --out /dev/shm/kq-bench [--experts 16] [--double]
+        [--targets a3 950dt] [--max-shard-size 4GiB 128MiB] [--workers 1 2]
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import time
 from pathlib import Path
 
 
-def tree_rss(pid: int) -> tuple[int, int]:
-    """(sum, max) RSS in bytes over ``pid`` and its descendants."""
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_pids(pid: int) -> list[int]:
     pids, frontier = [], [pid]
     while frontier:
         p = frontier.pop()
@@ -34,6 +39,21 @@ def tree_rss(pid: int) -> tuple[int, int]:
                 frontier += [int(c) for c in f.read().split()]
         except OSError:
             pass
+    return pids
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of one process so far (None once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def tree_rss(pids: list[int]) -> tuple[int, int]:
+    """(sum, max) RSS in bytes over ``pids``."""
     total = biggest = 0
     for p in pids:
         try:
@@ -52,14 +72,22 @@ def run_measured(cmd: list[str]) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak_sum = peak_max = 0
+    cpu: dict[int, float] = {}  # pid -> CPU seconds when last seen (a worker's last 20 ms are missed)
     while proc.poll() is None:
-        s, m = tree_rss(proc.pid)
+        pids = tree_pids(proc.pid)
+        s, m = tree_rss(pids)
         peak_sum, peak_max = max(peak_sum, s), max(peak_max, m)
+        for p in pids:
+            c = cpu_seconds(p)
+            if c is not None:
+                cpu[p] = c
         time.sleep(0.02)
+    seconds = time.perf_counter() - t0
     out = proc.stdout.read()
     if proc.returncode:
         sys.exit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{out}")
-    return {"seconds": time.perf_counter() - t0, "peak_rss_tree": peak_sum, "peak_rss_max": peak_max, "log": out}
+    return {"seconds": seconds, "peak_rss_tree": peak_sum, "peak_rss_max": peak_max, "log": out,
+            "cores_busy": sum(cpu.values()) / seconds}
 
 
 def read_gbps(src: Path) -> tuple[float, int]:
@@ -102,13 +130,17 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
             shutil.rmtree(out, ignore_errors=True)
             runs.append(run_measured(cmd))
         shutil.rmtree(out, ignore_errors=True)
-        secs = sorted(r["seconds"] for r in runs)
+        runs.sort(key=lambda r: r["seconds"])
+        secs = [r["seconds"] for r in runs]
         median, best = secs[len(secs) // 2], secs[0]
         gbps = nbytes / median / 1e9
-        rows.append({"source": src.name, "target": target, "options": " ".join(extra), "in_gb": nbytes / 1e9,
+        rows.append({"source": src.name, "target": target, "shard": shard, "workers": workers,
+                     "options": " ".join(extra), "in_gb": nbytes / 1e9,
                      "runs": repeat, "seconds": round(median, 2), "gbps": round(gbps, 3),
                      "gbps_best": round(nbytes / best / 1e9, 3), "read_gbps": round(read_bw, 2),
                      "ratio_to_read": round(gbps / read_bw, 3),
+                     "cores_busy": round(runs[len(runs) // 2]["cores_busy"], 2),
+                     "loadavg_1m": round(os.getloadavg()[0], 2),
                      "peak_rss_tree_mb": max(r["peak_rss_tree"] for r in runs) >> 20,
                      "peak_rss_max_mb": max(r["peak_rss_max"] for r in runs) >> 20})
     return rows
@@ -140,9 +172,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--double", action="store_true", help="also run with twice the experts (flat-memory check)")
     ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
-    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--workers", type=int, nargs="+", default=[None],
+                    help="worker counts to run (e.g. 1 2: how conversion scales; default: one per core)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per target: the median is reported (and the best)")
-    ap.add_argument("--max-shard-size", default="128MiB")
+    ap.add_argument("--max-shard-size", nargs="+", default=["128MiB"],
+                    help="output shard sizes to run (e.g. 4GiB 128MiB: the default and a small one)")
     ap.add_argument("--llm-compressor", action="store_true", help="also run llm-compressor model_free_ptq")
     ap.add_argument("--llm-compressor-python", default=sys.executable,
                     help="interpreter that has llmcompressor installed (keep it out of this venv)")
@@ -154,13 +188,15 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or args.work)
     out.mkdir(parents=True, exist_ok=True)
-    rows = bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size, repeat=args.repeat)
-    if args.also_hash_inputs:
-        rows += bench(synth(work, args.experts), out, args.targets, args.workers, args.max_shard_size,
-                      ["--hash-inputs"], repeat=args.repeat)
-    if args.double:
-        rows += bench(synth(work, 2 * args.experts), out, args.targets, args.workers, args.max_shard_size,
-                      repeat=args.repeat)
+    rows = []
+    for shard in args.max_shard_size:
+        for workers in args.workers:
+            rows += bench(synth(work, args.experts), out, args.targets, workers, shard, repeat=args.repeat)
+            if args.also_hash_inputs:
+                rows += bench(synth(work, args.experts), out, args.targets, workers, shard,
+                              ["--hash-inputs"], repeat=args.repeat)
+            if args.double:
+                rows += bench(synth(work, 2 * args.experts), out, args.targets, workers, shard, repeat=args.repeat)
     if args.llm_compressor:
         rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python)
     print(f"cores: {os.cpu_count()}")

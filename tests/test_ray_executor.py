@@ -75,8 +75,9 @@ def local_out(src, tmp_path_factory) -> Path:
     return out
 
 
-def test_ray_output_is_byte_identical_to_local(cluster, src, local_out, tmp_path):
-    res = _convert(src, tmp_path / "ray", "ray")
+@pytest.mark.parametrize("part_bytes", [None, 1], ids=["default-parts", "a-part-per-tensor"])
+def test_ray_output_is_byte_identical_to_local(cluster, src, local_out, tmp_path, part_bytes):
+    res = _convert(src, tmp_path / "ray", "ray", **({"part_bytes": part_bytes} if part_bytes else {}))
     assert res.converted_units == len(res.plan.units) >= 6
     assert snapshot(tmp_path / "ray") == snapshot(local_out)
     assert journal_units(tmp_path / "ray") == journal_units(local_out)

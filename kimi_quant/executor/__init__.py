@@ -1,7 +1,9 @@
-"""Executors run plan units (output shards); the driver in convert.py owns journal and metadata.
+"""Executors run jobs in workers; the driver in convert.py owns journal and metadata.
 
-An executor has ``slots`` (units worth keeping in flight), ``submit(unit_json, paths, out_dir)``
-returning a ``concurrent.futures.Future`` of ``{file, size, sha256}``, and ``shutdown(abort)``.
+A job is a part of an output shard (``shards.py`` splits shards and assembles them: every core
+busy at any shard size) or, for callers that want it, a whole shard (``unit.convert_unit``).
+An executor has ``slots`` (jobs that run at once), ``submit(job_json, paths, out_dir)`` returning
+a ``concurrent.futures.Future`` of the job's result dict (``unit.run_job``), and ``shutdown(abort)``.
 Progress (bytes of input done) goes to the ``on_progress`` callback given at construction.
 """
 

@@ -25,7 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 from ..errors import KimiQuantError
-from .unit import convert_unit
+from .unit import run_job
 
 _progress_queue = None
 
@@ -157,9 +157,9 @@ def _started() -> None:
     """Submitted once per worker by the launcher thread: the pool starts a process for each."""
 
 
-def _run_unit(unit: dict, paths: dict[str, str], out_dir: str) -> dict:
+def _run_job(job: dict, paths: dict[str, str], out_dir: str) -> dict:
     q = _progress_queue
-    return convert_unit(unit, paths, out_dir, progress=(q.put if q is not None else None))
+    return run_job(job, paths, out_dir, progress=(q.put if q is not None else None))
 
 
 class LocalExecutor:
@@ -248,20 +248,20 @@ class LocalExecutor:
             except (EOFError, OSError):
                 return
 
-    def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
+    def submit(self, job: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
             self._launcher.join()  # the workers exist (interruptible: the launch goes on without us)
             try:
-                inner = self._pool.submit(_run_unit, unit, paths, out_dir)
-            except BrokenProcessPool as e:  # a worker died before this unit was handed out
+                inner = self._pool.submit(_run_job, job, paths, out_dir)
+            except BrokenProcessPool as e:  # a worker died before this job was handed out
                 inner = Future()
                 inner.set_exception(e)
-            return _explained(inner, unit["file"])
+            return _explained(inner, job["file"])
         if self._warm is not None:
             self._warm.join()
         fut: Future = Future()
         try:
-            fut.set_result(convert_unit(unit, paths, out_dir, progress=self.on_progress))
+            fut.set_result(run_job(job, paths, out_dir, progress=self.on_progress))
         except BaseException as e:  # noqa: BLE001 - delivered through the future like a pool would
             fut.set_exception(e)
         return fut

@@ -1,16 +1,17 @@
-"""Ray executor: every plan unit (output shard) is one Ray task on whichever node has a free core.
+"""Ray executor: every job (a part of an output shard) is one Ray task on whichever node has a free core.
 
-Only the unit's JSON and file *paths* travel (never tensors): each task reads its source shards
-and writes its output shard itself, so source and output must sit on a filesystem that every
-node mounts at the same path (see docs/distributed.md). The driver in convert.py still owns the
-journal, index, description and provenance; a task returns only ``{file, size, sha256}``.
+Only the job's JSON and file *paths* travel (never tensors): each task reads its source shards
+and writes its tensors into the output shard's temporary file itself, so source and output must
+sit on a filesystem that every node mounts at the same path (see docs/distributed.md). The driver
+in convert.py still owns the journal, index, description and provenance, and hashes and renames
+each shard once its parts are in; a task returns only a small dict (``unit.run_job``).
 
-- ``slots`` is the cluster's CPU count (or ``workers`` when given), so the driver keeps one unit
-  per core in flight.
+- ``slots`` is the cluster's CPU count (or ``workers`` when given): the driver keeps that many
+  jobs running (and as many queued).
 - A task is retried (``MAX_RETRIES``) when its worker or node dies or it raises ``OSError`` (a
   flaky mount); a ``KimiQuantError`` such as ``BadCheckpoint`` is deterministic and is not. A unit
   that still fails stops the run with one line naming its shard.
-- Progress: tasks report cumulative input bytes per unit to a small actor (a retried attempt
+- Progress: tasks report cumulative input bytes per job to a small actor (a retried attempt
   does not count twice); a driver thread drains it into ``on_progress``.
 - With no address, the executor joins ``RAY_ADDRESS`` or a cluster already running on this
   machine, else starts a small local one (and stops only that one on shutdown).
@@ -32,7 +33,7 @@ from urllib.parse import urlsplit
 
 from .. import __version__
 from ..errors import KimiQuantError
-from .unit import convert_unit
+from .unit import job_key, run_job
 
 try:
     import ray
@@ -108,9 +109,9 @@ def _check_node(paths: dict[str, str], out_dir: str, version: str) -> None:
 def _convert_unit_task(unit: dict, paths: dict[str, str], out_dir: str, progress, version: str) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _check_node(paths, out_dir, version)
-    rep = _Reporter(progress, unit["file"])
+    rep = _Reporter(progress, job_key(unit))
     try:
-        return convert_unit(unit, paths, out_dir, progress=rep)
+        return run_job(unit, paths, out_dir, progress=rep, remote=True)
     finally:
         rep.flush(wait=True)
 
@@ -179,6 +180,8 @@ def check_reachable(address: str, timeout: float = PROBE_SECONDS, origin: str = 
 
 
 class RayExecutor:
+    remote = True  # workers may be on other nodes: a shard is hashed and renamed by a task, not the driver
+
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,
                  address: str | None = None, **_ignored):
         self.on_progress = on_progress or (lambda n: None)

@@ -1,8 +1,9 @@
-"""Convert one unit (one output shard). Runs in a worker process: local pool or a Ray task.
+"""Convert one job in a worker process (local pool or a Ray task): a part of an output shard
+(``convert_part``, what the driver schedules) or a whole shard (``convert_unit``).
 
-Only paths and the unit's JSON come in; only (file, size, sha256) goes back. Tensors are read
-one at a time from mmap and their pages dropped after use, so a worker's memory is about one
-tensor's output plus fixed buffers, whatever the checkpoint size.
+Only paths and the job's JSON come in; only small dicts go back. Tensors are read one at a time
+from mmap and their pages dropped after use, so a worker's memory is about one tensor's output
+plus fixed buffers, whatever the checkpoint or shard size.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import numpy as np
 from ..dtypes import nonfinite, to_f32
 from ..errors import BadCheckpoint
 from ..hashing import sha256_file
-from ..plan import UnitPlan
+from ..plan import TensorPlan, UnitPlan
 from ..quant import get_codec
 from ..recipe.recipe import FLOAT
 from ..source.safetensors import SafetensorsReader
-from ..write import ShardWriter
+from ..write import PartWriter, ShardWriter, finish_shard
 
 CHUNK = 64 * 1024 * 1024  # FLOAT tensors stream through in chunks of this many bytes
 
@@ -40,33 +41,78 @@ def check_codec_outputs(scheme: str, outputs: list, arrays, where: str) -> None:
                                 "the weights)")
 
 
+def run_job(job: dict, paths: dict[str, str], out_dir: str, progress: Callable[[int], None] | None = None,
+            remote: bool = False) -> dict:
+    """What an executor runs: ``finish_shard`` for a finish job, ``convert_part`` for a part job (it
+    names a ``partial`` file), else ``convert_unit``. ``remote``: the driver may be on another node (a
+    part is then flushed to disk before it counts as written)."""
+    if job.get("finish"):
+        out = Path(out_dir)
+        return {"file": job["file"], "size": job["size"],
+                "sha256": finish_shard(out / job["partial"], out / job["file"], job["size"])}
+    if "partial" in job:
+        return convert_part(job, paths, out_dir, progress, sync=remote)
+    return convert_unit(job, paths, out_dir, progress)
+
+
+def job_key(job: dict) -> str:
+    """Names one job among a run's jobs (progress is counted per job)."""
+    return f"{job['file']}#{job['part']}" if "part" in job else f"{job['file']}#finish" if job.get("finish") else job["file"]
+
+
+def _hash_inputs(job: dict, paths: dict[str, str]) -> dict[str, str]:
+    """sha256 of the source files ``job["hash_inputs"]`` names, for the provenance: each file is given
+    to one job, so hashing spreads over the workers instead of queueing on the driver."""
+    return {f: sha256_file(paths[f]) for f in job.get("hash_inputs") or []}
+
+
+def convert_part(job: dict, paths: dict[str, str], out_dir: str,
+                 progress: Callable[[int], None] | None = None, sync: bool = False) -> dict:
+    """Write the tensors of ``job`` (a part of output shard ``job["file"]``) into the shard's
+    temporary file ``job["partial"]``, which the driver created with the header, at the byte
+    offsets ``job["offsets"]``; return {file, part, inputs}."""
+    tensors = [TensorPlan(**t) for t in job["tensors"]]
+    entries = {name: (dt, tuple(shape)) for t in tensors for name, dt, shape in t.outputs}
+    writer = PartWriter(Path(out_dir) / job["partial"], job["offsets"], entries, job["file"])
+    try:
+        _convert_tensors(tensors, paths, writer, progress)
+    except BaseException:
+        writer.close()
+        raise
+    writer.close(sync=sync)
+    return {"file": job["file"], "part": job["part"], "inputs": _hash_inputs(job, paths)}
+
+
 def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
                  progress: Callable[[int], None] | None = None) -> dict:
-    """Write output shard ``unit.file`` into ``out_dir``; return {file, size, sha256, inputs}.
-
-    ``unit["hash_inputs"]`` names source files this unit also hashes for the provenance (each file
-    is given to one unit, so hashing spreads over the workers instead of queueing on the driver).
-    """
-    hash_inputs = list(unit.get("hash_inputs") or []) if isinstance(unit, dict) else []
+    """Write output shard ``unit.file`` into ``out_dir`` in one stream; return {file, size, sha256, inputs}."""
+    job = unit if isinstance(unit, dict) else {}
     unit = unit if isinstance(unit, UnitPlan) else UnitPlan.from_json(unit)
     entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
-    readers: dict[str, SafetensorsReader] = {}
     writer = ShardWriter(Path(out_dir) / unit.file, entries)
     try:
-        for t in unit.tensors:
+        _convert_tensors(unit.tensors, paths, writer, progress)
+        size, sha = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"file": unit.file, "size": size, "sha256": sha, "inputs": _hash_inputs(job, paths)}
+
+
+def _convert_tensors(tensors: list[TensorPlan], paths: dict[str, str], writer,
+                     progress: Callable[[int], None] | None) -> None:
+    """Quantize (or copy) ``tensors`` in order into ``writer`` (a ShardWriter or a PartWriter)."""
+    readers: dict[str, SafetensorsReader] = {}
+    try:
+        for t in tensors:
             if t.file not in readers:
                 readers[t.file] = SafetensorsReader(paths[t.file])
             write_tensor(writer, readers[t.file], t)
             if progress:
                 progress(t.in_bytes)
-        size, sha = writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
     finally:
         for r in readers.values():
             r.close()
-    return {"file": unit.file, "size": size, "sha256": sha, "inputs": {f: sha256_file(paths[f]) for f in hash_inputs}}
 
 
 def write_tensor(writer: ShardWriter, reader: SafetensorsReader, t, quantize=None) -> dict[str, np.ndarray] | None:

@@ -1,0 +1,147 @@
+"""The driver's scheduler: output shards split into parts, every core busy at any shard size.
+
+A unit of the plan (one output shard) is the unit of resume and of the journal; the unit of
+parallel work is smaller: a *part*, a run of consecutive tensors of one shard worth about
+``PART_BYTES`` of input. The driver opens a shard (``ShardAssembly`` writes its header into a
+temporary file), hands its parts to the executor, tells the assembly which byte ranges are in as
+parts finish (a driver thread hashes the file in order as it fills), and gets ``(size, sha256)``
+once the shard is complete under its final name. So a 4 GiB shard keeps every core working, the
+bytes equal a single streaming writer's, and the journal still gets one record per shard.
+
+With an executor whose workers are on other nodes (``executor.remote``: Ray), or more workers than
+the driver's hashing keeps up with (``DRIVER_HASH_MAX_SLOTS``), the driver does not read shards
+back: once a shard's parts are all in, a *finish* job hashes, fsyncs and renames it on whichever
+worker runs it (the last shard of a run then waits for one hash: ~0.6 s per GB of output).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
+from typing import Callable
+
+from ..plan import TensorPlan, UnitPlan
+from ..write import ShardAssembly
+
+#: Input bytes per part: ~0.1 core-s of work, against a few ms of start-up (reader, task). Large
+#: enough that a K3.1 expert matrix is never alone, small enough that the last part of a run is short.
+PART_BYTES = 96 * 2**20
+
+#: The driver hashes each open shard on one thread (~1.8 GB/s of output, ~6 GB/s of input): enough
+#: for this many workers (~0.75 GB/s of input each); with more, finish jobs hash on the workers.
+DRIVER_HASH_MAX_SLOTS = 8
+
+
+def split(tensors: list[TensorPlan], part_bytes: int) -> list[list[TensorPlan]]:
+    """Consecutive runs of ``tensors``, each closed once it holds ``part_bytes`` of input."""
+    parts: list[list[TensorPlan]] = []
+    size = part_bytes
+    for t in tensors:
+        if size >= part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(t)
+        size += t.in_bytes
+    return parts
+
+
+class OpenShard:
+    """One output shard being written: its assembly and the part jobs not yet submitted."""
+
+    def __init__(self, unit: UnitPlan, out_dir: Path, paths: dict[str, str], part_bytes: int, hash_here: bool):
+        self.unit, self.paths = unit, paths
+        entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
+        self.assembly = ShardAssembly(out_dir / unit.file, entries, hash_here=hash_here)
+        offsets = self.assembly.offsets
+        self.jobs: deque[dict] = deque()
+        for i, tensors in enumerate(split(unit.tensors, part_bytes)):
+            names = [name for t in tensors for name, _, _ in t.outputs]
+            start = offsets[names[0]] if names else 0
+            end = start + sum(t.out_bytes for t in tensors)
+            self.jobs.append({"file": unit.file, "part": i, "partial": self.assembly.tmp.name,
+                              "tensors": [t.to_json() for t in tensors],
+                              "offsets": {n: offsets[n] for n in names}, "span": [start, end],
+                              "needs": sorted({t.file for t in tensors})})
+        self.parts_left = len(self.jobs)
+
+    def finish_job(self) -> dict:
+        return {"file": self.unit.file, "finish": True, "partial": self.assembly.tmp.name, "size": self.assembly.size}
+
+
+def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhashed: set[str],
+               on_inputs: Callable[[dict[str, str]], None], on_shard: Callable[[UnitPlan, int, str], None],
+               part_bytes: int = PART_BYTES) -> None:
+    """Write every shard of ``units`` into ``out_dir`` with ``executor``.
+
+    ``on_shard(unit, size, sha256)`` once a shard is complete under its final name (in completion
+    order); ``on_inputs({file: sha256})`` for source files a part hashed (``unhashed`` names those
+    still to hash: each goes to the first part reading it). A source shard is released (a staged hub
+    download deleted) once every output shard needing it is complete, and a new output shard is
+    opened only while its source shards fit the staging window (``source.can_stage``). On any error
+    the open shards' temporary files are removed before it propagates; the caller then aborts the
+    executor, whose running workers find their file gone.
+    """
+    out_dir = Path(out_dir)
+    users = Counter(f for u in units for f in u.needs)
+    can_stage = getattr(source, "can_stage", lambda names: True)
+    pending = deque(units)
+    feeding: deque[OpenShard] = deque()  # open shards with part jobs still to submit
+    live: dict[Future, OpenShard] = {}  # shards with every part in: their completion (size, sha256) -> shard
+    running: dict[Future, tuple[OpenShard, dict]] = {}
+    depth = 2 * executor.slots  # a queued job starts the moment a worker frees up, not after a driver round trip
+    hash_here = not getattr(executor, "remote", False) and executor.slots <= DRIVER_HASH_MAX_SLOTS
+    opened: list[OpenShard] = []  # every shard opened and not complete (aborted on an error)
+    ok = False
+
+    def completing(shard: OpenShard) -> None:
+        """Every part is in: wait for the shard to be hashed and renamed (here, or by a finish job)."""
+        fut = shard.assembly.done if hash_here else executor.submit(shard.finish_job(), {}, str(out_dir))
+        live[fut] = shard
+
+    try:
+        while pending or opened:
+            while len(running) < depth:
+                if not feeding:
+                    if not pending or (opened and not can_stage(pending[0].needs)):
+                        break  # nothing left, or its source shards would overflow staging: wait for releases
+                    unit = pending.popleft()
+                    paths = {f: str(source.fetch(f)) for f in unit.needs}
+                    shard = OpenShard(unit, out_dir, paths, part_bytes, hash_here)
+                    opened.append(shard)
+                    if shard.jobs:
+                        feeding.append(shard)
+                    else:
+                        completing(shard)
+                    continue
+                shard = feeding[0]
+                job = shard.jobs.popleft()
+                if not shard.jobs:
+                    feeding.popleft()
+                job["hash_inputs"] = sorted(unhashed.intersection(job["needs"]))
+                unhashed.difference_update(job["hash_inputs"])
+                running[executor.submit(job, shard.paths, str(out_dir))] = (shard, job)
+            finished, _ = wait([*running, *live], return_when=FIRST_COMPLETED)
+            for fut in finished:
+                if fut in running:
+                    shard, job = running.pop(fut)
+                    on_inputs(fut.result().get("inputs") or {})
+                    shard.assembly.written(*job["span"])
+                    shard.parts_left -= 1
+                    if not shard.parts_left:
+                        completing(shard)
+                elif fut in live:
+                    shard = live.pop(fut)
+                    res = fut.result()
+                    size, sha = (res["size"], res["sha256"]) if isinstance(res, dict) else res
+                    opened.remove(shard)
+                    on_shard(shard.unit, size, sha)
+                    for f in shard.unit.needs:
+                        users[f] -= 1
+                        if users[f] == 0:
+                            source.release(f)
+        ok = True
+    finally:
+        if not ok:
+            for shard in opened:
+                shard.assembly.abort()

@@ -1,0 +1,224 @@
+"""One output shard written in parts by many workers at once, hashed in order as the parts land.
+
+The plan fixes every output tensor's dtype and shape, so a shard's header and each tensor's byte
+offset are known before any tensor is quantized. The driver opens the shard (``ShardAssembly``):
+it writes the header into ``<name>.<token>.partial``; workers (``PartWriter``) write their tensors
+at their offsets, in any order and on any node that mounts the output; a driver thread hashes the
+file's completed prefix as it grows, and once every part is in, fsyncs and renames it. The bytes
+are exactly those the streaming ``ShardWriter`` writes, and a file under its final name is
+complete, as before.
+
+When the writers are on other nodes (Ray), the driver does not read every shard back through its
+own link: ``ShardAssembly(hash_here=False)`` only creates the file, and once every part is in, one
+worker hashes, fsyncs and renames it (``finish_shard``), wherever it runs.
+
+The random token in the temporary name means a worker of a dead run (its driver SIGKILLed) can
+never write into the file of a resumed run: it finds its own file gone and stops.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from ..dtypes import nbytes
+from ..errors import KimiQuantError
+from .atomic import disk_full, fsync_dir
+from .safetensors_writer import encode_header
+
+HASH_CHUNK = 16 * 1024 * 1024
+
+
+def tensor_offsets(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+                   ) -> tuple[bytes, dict[str, int], int]:
+    """(header bytes, absolute file offset of each tensor, file size) of the shard ``entries`` make."""
+    header = encode_header(entries, metadata)
+    offsets, at = {}, len(header)
+    for name, dtype, shape in entries:
+        offsets[name] = at
+        at += nbytes(dtype, shape)
+    return header, offsets, at
+
+
+class ShardAssembly:
+    """The driver's side of one shard: create it, learn which byte ranges are written (``written``),
+    and get ``done``, a Future of ``(size, sha256)`` set once the file is complete under its final name.
+    With ``hash_here=False`` nothing is hashed here: ``finish_shard`` (in a worker) completes the file."""
+
+    def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None, hash_here: bool = True):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f"{self.path.name}.{secrets.token_hex(6)}.partial")
+        header, self.offsets, self.size = tensor_offsets(entries, metadata)
+        self.done: Future = Future()
+        self._ranges: dict[int, int] = {0: len(header)}  # start -> end of written ranges not yet hashed
+        self._cv = threading.Condition()
+        self._aborted = False
+        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(self._fd, self.size)  # sized up front: parts land anywhere, in any order
+            _pwrite_all(self._fd, memoryview(header), 0)
+        except OSError as e:
+            self._discard()
+            if e.errno == errno.ENOSPC:
+                raise disk_full(self.path, e) from None
+            raise
+        self._thread = None
+        if not hash_here:
+            os.close(self._fd)
+            self._fd = None
+            return
+        self._thread = threading.Thread(target=self._hash_and_commit, name=f"kq-hash-{self.path.name}", daemon=True)
+        self._thread.start()
+
+    def written(self, start: int, end: int) -> None:
+        """Bytes ``[start, end)`` are in the file (a part's worker returned)."""
+        if end > start:
+            with self._cv:
+                self._ranges[start] = end
+                self._cv.notify()
+
+    def _next_range(self, at: int) -> int | None:
+        """End of the written range that starts at ``at`` (waits for it); None when aborted."""
+        with self._cv:
+            while at not in self._ranges and not self._aborted:
+                self._cv.wait()
+            return None if self._aborted else self._ranges.pop(at)
+
+    def _hash_and_commit(self) -> None:
+        sha, buf, at = hashlib.sha256(), bytearray(HASH_CHUNK), 0
+        view = memoryview(buf)
+        try:
+            while at < self.size:  # the header is written up front: the size is never 0
+                end = self._next_range(at)
+                if end is None:
+                    return
+                # opened anew for each range: on NFS an open revalidates this node's cache, so bytes another
+                # node wrote (and closed, see PartWriter.close) are read, never a stale page read ahead earlier
+                fd = os.open(self.tmp, os.O_RDONLY)
+                try:
+                    while at < end and not self._aborted:
+                        n = os.preadv(fd, [view[:min(HASH_CHUNK, end - at)]], at)
+                        if n <= 0:
+                            raise OSError(errno.EIO, f"{self.tmp}: shorter than its header says")
+                        sha.update(view[:n])
+                        at += n
+                finally:
+                    os.close(fd)
+            if self._aborted:
+                return
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self.tmp, self.path)
+            fsync_dir(self.path.parent)
+        except BaseException as e:  # noqa: BLE001 - delivered to the driver through ``done``
+            self._discard()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                e = disk_full(self.path, e)
+            self.done.set_exception(e)
+            return
+        self.done.set_result((self.size, sha.hexdigest()))
+
+    def _discard(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+        self.tmp.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        """Stop and remove the temporary file (workers still writing into it write into nothing)."""
+        with self._cv:
+            self._aborted = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join()
+        if not self.done.done():
+            self._discard()
+
+
+def finish_shard(tmp: str | Path, path: str | Path, size: int) -> str:
+    """Complete a shard whose parts are all written: sha256 it, fsync, rename to ``path``; its sha256."""
+    from ..hashing import sha256_file
+
+    tmp, path = Path(tmp), Path(path)
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+    except FileNotFoundError:
+        raise KimiQuantError(f"{tmp} is gone: the run converting {path.name} was stopped") from None
+    try:
+        if os.fstat(fd).st_size != size:
+            raise KimiQuantError(f"{tmp}: {os.fstat(fd).st_size} bytes, expected {size}")
+        sha = sha256_file(tmp)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return sha
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while buf.nbytes:
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+class PartWriter:
+    """A worker's side: writes tensors of one part into an existing shard file at their offsets.
+
+    Same ``write`` / ``write_chunks`` calls as ``ShardWriter``; the shard is never created here."""
+
+    def __init__(self, tmp: str | Path, offsets: dict[str, int], entries: dict[str, tuple[str, tuple[int, ...]]],
+                 shard: str):
+        self.tmp, self.offsets, self.entries, self.shard = Path(tmp), offsets, entries, shard
+        try:
+            self._fd = os.open(self.tmp, os.O_WRONLY)
+        except FileNotFoundError:
+            raise KimiQuantError(f"{self.tmp} is gone: the run converting {shard} was stopped") from None
+
+    def _size(self, name: str) -> int:
+        dtype, shape = self.entries[name]
+        return nbytes(dtype, shape)
+
+    def _put(self, buf: memoryview, offset: int) -> None:
+        try:
+            _pwrite_all(self._fd, buf, offset)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise disk_full(self.tmp.parent / self.shard, e) from None
+            raise
+
+    def write(self, name: str, data) -> None:
+        buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+        if buf.nbytes != self._size(name):
+            raise RuntimeError(f"part of {self.shard}: {name} has {buf.nbytes} bytes, expected {self._size(name)}")
+        self._put(buf, self.offsets[name])
+
+    def write_chunks(self, name: str, chunks) -> None:
+        at = start = self.offsets[name]
+        for chunk in chunks:
+            buf = memoryview(np.ascontiguousarray(chunk)).cast("B")
+            self._put(buf, at)
+            at += buf.nbytes
+        if at - start != self._size(name):
+            raise RuntimeError(f"part of {self.shard}: {name} has {at - start} bytes, expected {self._size(name)}")
+
+    def close(self, sync: bool = False) -> None:
+        """``sync``: flush this part to stable storage now. A shard's writers are on other nodes (Ray),
+        where the driver's fsync of the whole file reaches only its own node's cache."""
+        try:
+            if sync:
+                os.fdatasync(self._fd)
+        finally:
+            os.close(self._fd)

@@ -1,0 +1,156 @@
+"""Shards written in parts by several workers: the same bytes as one streaming writer, any split, any order.
+
+The reference is ``convert_unit``: one process writes a whole shard through ``ShardWriter``, front to
+back, hashing as it goes (how every shard was written before shards were split into parts).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kimi_quant.convert import ConvertOptions, build_plan, convert
+from kimi_quant.errors import KimiQuantError
+from kimi_quant.executor.shards import split
+from kimi_quant.executor.unit import convert_unit
+from kimi_quant.model.synth import synth
+from kimi_quant.plan import DEFAULT_MAX_SHARD_SIZE
+from kimi_quant.source import open_source
+from kimi_quant.write import PartWriter, ShardAssembly, ShardWriter
+
+JOURNAL = "kimi_quant_journal.jsonl"
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return synth("tiny", tmp_path_factory.mktemp("parts-src") / "src", random_weights=True)
+
+
+def streamed(src: Path, target: str, shard: int, out: Path) -> dict[str, str]:
+    """sha256 of each output shard as one streaming writer makes it."""
+    out.mkdir(parents=True)
+    source = open_source(str(src))
+    try:
+        plan = build_plan(source, target, max_shard_size=shard)
+        res = [convert_unit(u.to_json(), {f: str(source.fetch(f)) for f in u.needs}, str(out)) for u in plan.units]
+    finally:
+        source.close()
+    shas = {r["file"]: r["sha256"] for r in res}
+    assert shas == {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in shas}
+    return shas
+
+
+def shards(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("quant_model_weights-*"))}
+
+
+@pytest.mark.parametrize("target", ["a3", "950dt"])
+@pytest.mark.parametrize("shard", [1_000_000, DEFAULT_MAX_SHARD_SIZE], ids=["tiny-shards", "default-shards"])
+def test_parts_make_the_streamed_bytes(src, tmp_path, target, shard):
+    ref = streamed(src, target, shard, tmp_path / "ref")
+    outs = {}
+    for workers, part in ((1, 1), (2, 1), (2, 300_000), (2, None)):  # every tensor its own part ... the default
+        out = tmp_path / f"w{workers}-p{part}"
+        opts = ConvertOptions(target=target, output=out, workers=workers, quiet=True, max_shard_size=shard)
+        if part:
+            opts.part_bytes = part
+        convert(str(src), opts)
+        assert shards(out) == ref, (workers, part)
+        units = [json.loads(ln) for ln in (out / JOURNAL).read_text().splitlines()]
+        units = [e for e in units if e["kind"] == "unit"]
+        assert sorted(e["file"] for e in units) == sorted(ref)  # one record per shard, with its sha256
+        assert {e["file"]: e["sha256"] for e in units} == ref
+        assert not list(out.glob("*.partial"))
+        outs[(workers, part)] = {p.name: p.read_bytes() for p in out.iterdir() if p.name != JOURNAL}
+    first = next(iter(outs.values()))
+    assert all(o == first for o in outs.values())  # index, description, provenance too
+    if shard == DEFAULT_MAX_SHARD_SIZE:
+        assert len(ref) == 1  # one shard, yet two workers wrote it
+
+
+def test_shards_finished_by_a_worker_are_the_same(src, tmp_path, monkeypatch):
+    """Executors whose workers may be on other nodes (Ray) have a worker hash and rename each shard."""
+    from kimi_quant.executor.local import LocalExecutor
+
+    ref = streamed(src, "a3", 1_000_000, tmp_path / "ref")
+    monkeypatch.setattr(LocalExecutor, "remote", True, raising=False)
+    for workers in (1, 2):
+        out = tmp_path / f"remote-w{workers}"
+        convert(str(src), ConvertOptions(target="a3", output=out, workers=workers, quiet=True,
+                                         max_shard_size=1_000_000, part_bytes=200_000))
+        assert shards(out) == ref
+        assert not list(out.glob("*.partial"))
+
+
+def test_split_keeps_order_and_covers_every_tensor(src):
+    source = open_source(str(src))
+    try:
+        (unit,) = build_plan(source, "a3").units
+    finally:
+        source.close()
+    for part in (1, 50_000, 10**6, 10**12):
+        parts = split(unit.tensors, part)
+        assert [t for p in parts for t in p] == unit.tensors
+        assert all(p for p in parts)
+        assert all(sum(t.in_bytes for t in p[:-1]) < part for p in parts)  # closed as soon as it is full
+    assert len(split(unit.tensors, 1)) == len(unit.tensors)
+    assert split([], 1) == []
+
+
+ENTRIES = [("a", "U8", (5,)), ("b", "BF16", (3, 4)), ("c", "F32", (7,)), ("d", "I8", (0,)), ("e", "U8", (13,))]
+
+
+def _data(rng):
+    return {"a": rng.integers(0, 255, 5, dtype=np.uint8), "b": rng.integers(0, 2**16, (3, 4), dtype=np.uint16),
+            "c": rng.standard_normal(7).astype(np.float32), "d": np.zeros(0, np.int8),
+            "e": rng.integers(0, 255, 13, dtype=np.uint8)}
+
+
+def test_parts_in_any_order_equal_one_stream(tmp_path):
+    rng = np.random.default_rng(0)
+    data = _data(rng)
+    ref = ShardWriter(tmp_path / "ref.safetensors", ENTRIES)
+    for name, _, _ in ENTRIES:
+        ref.write(name, data[name])
+    size, sha = ref.commit()
+    for trial in range(5):
+        path = tmp_path / f"p{trial}.safetensors"
+        asm = ShardAssembly(path, ENTRIES)
+        assert not path.exists() and asm.tmp.exists() and asm.tmp.name.endswith(".partial")
+        sizes = {n: int(np.prod(s)) * {"U8": 1, "I8": 1, "BF16": 2, "F32": 4}[d] for n, d, s in ENTRIES}
+        order = [n for n, _, _ in ENTRIES]
+        random.Random(trial).shuffle(order)
+        w = PartWriter(asm.tmp, asm.offsets, {n: (d, s) for n, d, s in ENTRIES}, path.name)
+        for i, name in enumerate(order):
+            w.write(name, data[name])
+            if i < len(order) - 1:
+                asm.written(asm.offsets[name], asm.offsets[name] + sizes[name])
+                assert not path.exists()  # nothing looks complete while a part is missing
+        w.close()
+        asm.written(asm.offsets[order[-1]], asm.offsets[order[-1]] + sizes[order[-1]])
+        assert asm.done.result(timeout=30) == (size, sha)
+        assert path.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+        assert not asm.tmp.exists()
+
+
+def test_abort_removes_the_file_and_a_late_worker_stops(tmp_path):
+    path = tmp_path / "x.safetensors"
+    asm = ShardAssembly(path, ENTRIES)
+    w = PartWriter(asm.tmp, asm.offsets, {n: (d, s) for n, d, s in ENTRIES}, path.name)
+    w.write("a", np.arange(5, dtype=np.uint8))
+    asm.written(asm.offsets["a"], asm.offsets["a"] + 5)
+    asm.abort()
+    w.close()
+    assert list(tmp_path.iterdir()) == []  # neither the final name nor the .partial
+    assert not asm.done.done()
+    with pytest.raises(KimiQuantError, match="is gone: the run converting x.safetensors was stopped"):
+        PartWriter(asm.tmp, asm.offsets, {}, path.name)
+    # a resumed run's file has another name: a worker of the stopped run cannot write into it
+    again = ShardAssembly(path, ENTRIES)
+    assert again.tmp != asm.tmp
+    again.abort()
