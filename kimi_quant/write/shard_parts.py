@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import mmap
 import os
 import secrets
 import threading
@@ -93,25 +94,23 @@ class ShardAssembly:
             return None if self._aborted else self._ranges.pop(at)
 
     def _hash_and_commit(self) -> None:
-        sha, buf, at = hashlib.sha256(), bytearray(HASH_CHUNK), 0
-        view = memoryview(buf)
+        sha, at = hashlib.sha256(), 0
         try:
             while at < self.size:  # the header is written up front: the size is never 0
                 end = self._next_range(at)
                 if end is None:
                     return
-                # opened anew for each range: on NFS an open revalidates this node's cache, so bytes another
-                # node wrote (and closed, see PartWriter.close) are read, never a stale page read ahead earlier
-                fd = os.open(self.tmp, os.O_RDONLY)
-                try:
-                    while at < end and not self._aborted:
-                        n = os.preadv(fd, [view[:min(HASH_CHUNK, end - at)]], at)
-                        if n <= 0:
-                            raise OSError(errno.EIO, f"{self.tmp}: shorter than its header says")
-                        sha.update(view[:n])
-                        at += n
-                finally:
-                    os.close(fd)
+                # mapped anew for each range (no copy): on NFS an open revalidates this node's cache, so bytes
+                # another node wrote (and closed, see PartWriter.close) are read, never a stale page read ahead
+                with open(self.tmp, "rb") as f, mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ) as m:
+                    view = memoryview(m)
+                    try:
+                        while at < end and not self._aborted:
+                            n = min(HASH_CHUNK, end - at)
+                            sha.update(view[at:at + n])
+                            at += n
+                    finally:
+                        view.release()
             if self._aborted:
                 return
             os.fsync(self._fd)
