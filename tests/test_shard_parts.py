@@ -154,3 +154,52 @@ def test_abort_removes_the_file_and_a_late_worker_stops(tmp_path):
     again = ShardAssembly(path, ENTRIES)
     assert again.tmp != asm.tmp
     again.abort()
+
+
+def test_a_whole_shard_job_hashes_as_it_writes(tmp_path):
+    """A shard written by one job (enough shards left for every worker) is hashed front to back by
+    its writer and renamed by it: the bytes and sha256 of the streaming writer, nothing read back."""
+    rng = np.random.default_rng(1)
+    data = _data(rng)
+    ref = ShardWriter(tmp_path / "ref.safetensors", ENTRIES)
+    for name, _, _ in ENTRIES:
+        ref.write(name, data[name])
+    size, sha = ref.commit()
+    path = tmp_path / "w.safetensors"
+    asm = ShardAssembly(path, ENTRIES, hash_here=False)
+    w = PartWriter(asm.tmp, asm.offsets, {n: (d, s) for n, d, s in ENTRIES}, path.name, whole=True)
+    for name, _, _ in ENTRIES:
+        w.write(name, data[name])
+    assert w.commit() == (size, sha)
+    assert path.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert not asm.tmp.exists()
+    # out of order it cannot hash: refused, never a wrong sha256
+    asm = ShardAssembly(tmp_path / "o.safetensors", ENTRIES, hash_here=False)
+    w = PartWriter(asm.tmp, asm.offsets, {n: (d, s) for n, d, s in ENTRIES}, "o.safetensors", whole=True)
+    with pytest.raises(RuntimeError, match="expected"):
+        w.write("b", data["b"])
+    w.close()
+    asm.abort()
+
+
+def test_many_shards_run_whole_and_only_the_tail_is_split(src, tmp_path, monkeypatch):
+    from kimi_quant.executor import shards as sched
+
+    kinds = []
+    real = sched.OpenShard
+
+    def spy(*a, **kw):
+        kinds.append(kw.get("whole", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sched, "OpenShard", spy)
+    ref = streamed(src, "a3", 1_000_000, tmp_path / "ref")
+    out = tmp_path / "out"
+    convert(str(src), ConvertOptions(target="a3", output=out, workers=2, quiet=True, max_shard_size=1_000_000))
+    assert shards(out) == ref
+    assert len(kinds) == len(ref) >= 3
+    assert kinds == [True] * (len(ref) - 1) + [False]  # with 2 workers only the last shard is split
+    kinds.clear()
+    out1 = tmp_path / "one-worker"
+    convert(str(src), ConvertOptions(target="a3", output=out1, workers=1, quiet=True, max_shard_size=1_000_000))
+    assert shards(out1) == ref and all(kinds)  # one worker never splits: no cost over the streaming writer

@@ -1,17 +1,27 @@
-"""The driver's scheduler: output shards split into parts, every core busy at any shard size.
+"""The driver's scheduler: every core busy at any shard size, with no extra cost when shards are many.
 
-A unit of the plan (one output shard) is the unit of resume and of the journal; the unit of
-parallel work is smaller: a *part*, a run of consecutive tensors of one shard worth about
-``PART_BYTES`` of input. The driver opens a shard (``ShardAssembly`` writes its header into a
-temporary file), hands its parts to the executor, tells the assembly which byte ranges are in as
-parts finish (a driver thread hashes the file in order as it fills), and gets ``(size, sha256)``
-once the shard is complete under its final name. So a 4 GiB shard keeps every core working, the
-bytes equal a single streaming writer's, and the journal still gets one record per shard.
+A unit of the plan (one output shard) is the unit of resume and of the journal. While at least as
+many shards are left as there are workers, each shard is one *whole* job: a worker writes it front
+to back, hashing as it writes, and renames it (as before shards could be split). The last shards of
+a run (all of them, when there are fewer shards than workers: any checkpoint under ~8 GB at the
+default 4 GiB) are split into *parts*, runs of consecutive tensors worth about ``PART_BYTES`` of
+input, so every core works on them. The driver opens every shard (``ShardAssembly`` writes its
+header into a temporary file with a per-run random name), hands its jobs to the executor, tells
+the assembly which byte ranges are in as parts finish (a driver thread hashes the file in order as
+it fills), and gets ``(size, sha256)`` once the shard is complete under its final name. The bytes
+equal a single streaming writer's, and the journal still gets one record per shard.
+
+Splitting costs a second read of the shard for its sha256 (~0.1 core-s per GB of output on top of
+the hash itself, which a whole job does too) and a few ms per part.
 
 With an executor whose workers are on other nodes (``executor.remote``: Ray), or more workers than
-the driver's hashing keeps up with (``DRIVER_HASH_MAX_SLOTS``), the driver does not read shards
-back: once a shard's parts are all in, a *finish* job hashes, fsyncs and renames it on whichever
-worker runs it (the last shard of a run then waits for one hash: ~0.6 s per GB of output).
+the driver's hashing keeps up with (``DRIVER_HASH_MAX_SLOTS``), the driver does not read split
+shards back: once a shard's parts are all in, a *finish* job hashes, fsyncs and renames it on
+whichever worker runs it (the last shard of a run then waits for one hash: ~0.6 s per GB of output).
+
+No worker ever creates a file: every temporary file is the driver's, so on an error or Ctrl-C the
+driver removes exactly its own run's files, and a task of a stopped run (still running, or started
+late) finds its file gone and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -47,20 +57,24 @@ def split(tensors: list[TensorPlan], part_bytes: int) -> list[list[TensorPlan]]:
 
 
 class OpenShard:
-    """One output shard being written: its assembly and the part jobs not yet submitted."""
+    """One output shard being written: its assembly and the part jobs not yet submitted.
 
-    def __init__(self, unit: UnitPlan, out_dir: Path, paths: dict[str, str], part_bytes: int, hash_here: bool):
-        self.unit, self.paths = unit, paths
+    ``whole``: one job writes, hashes and renames the entire shard (what a worker did before shards
+    were split; nothing is read back), else it is split into parts of about ``part_bytes``."""
+
+    def __init__(self, unit: UnitPlan, out_dir: Path, paths: dict[str, str], part_bytes: int, hash_here: bool,
+                 whole: bool = False):
+        self.unit, self.paths, self.whole = unit, paths, whole
         entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
-        self.assembly = ShardAssembly(out_dir / unit.file, entries, hash_here=hash_here)
+        self.assembly = ShardAssembly(out_dir / unit.file, entries, hash_here=hash_here and not whole)
         offsets = self.assembly.offsets
         self.jobs: deque[dict] = deque()
-        for i, tensors in enumerate(split(unit.tensors, part_bytes)):
+        for i, tensors in enumerate([unit.tensors] if whole else split(unit.tensors, part_bytes)):
             names = [name for t in tensors for name, _, _ in t.outputs]
             start = offsets[names[0]] if names else 0
             end = start + sum(t.out_bytes for t in tensors)
             self.jobs.append({"file": unit.file, "part": i, "partial": self.assembly.tmp.name,
-                              "tensors": [t.to_json() for t in tensors],
+                              "tensors": [t.to_json() for t in tensors], "whole": whole,
                               "offsets": {n: offsets[n] for n in names}, "span": [start, end],
                               "needs": sorted({t.file for t in tensors})})
         self.parts_left = len(self.jobs)
@@ -99,15 +113,25 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
         fut = shard.assembly.done if hash_here else executor.submit(shard.finish_job(), {}, str(out_dir))
         live[fut] = shard
 
+    def complete(shard: OpenShard, size: int, sha: str) -> None:
+        """The shard is under its final name: journal it, release source shards no other shard needs."""
+        opened.remove(shard)
+        on_shard(shard.unit, size, sha)
+        for f in shard.unit.needs:
+            users[f] -= 1
+            if users[f] == 0:
+                source.release(f)
+
     try:
         while pending or opened:
             while len(running) < depth:
                 if not feeding:
                     if not pending or (opened and not can_stage(pending[0].needs)):
                         break  # nothing left, or its source shards would overflow staging: wait for releases
+                    whole = len(pending) >= executor.slots  # enough shards left to keep every worker busy
                     unit = pending.popleft()
                     paths = {f: str(source.fetch(f)) for f in unit.needs}
-                    shard = OpenShard(unit, out_dir, paths, part_bytes, hash_here)
+                    shard = OpenShard(unit, out_dir, paths, part_bytes, hash_here, whole=whole)
                     opened.append(shard)
                     if shard.jobs:
                         feeding.append(shard)
@@ -125,7 +149,11 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
             for fut in finished:
                 if fut in running:
                     shard, job = running.pop(fut)
-                    on_inputs(fut.result().get("inputs") or {})
+                    res = fut.result()
+                    on_inputs(res.get("inputs") or {})
+                    if shard.whole:  # its worker hashed and renamed it
+                        complete(shard, res["size"], res["sha256"])
+                        continue
                     shard.assembly.written(*job["span"])
                     shard.parts_left -= 1
                     if not shard.parts_left:
@@ -133,13 +161,7 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
                 elif fut in live:
                     shard = live.pop(fut)
                     res = fut.result()
-                    size, sha = (res["size"], res["sha256"]) if isinstance(res, dict) else res
-                    opened.remove(shard)
-                    on_shard(shard.unit, size, sha)
-                    for f in shard.unit.needs:
-                        users[f] -= 1
-                        if users[f] == 0:
-                            source.release(f)
+                    complete(shard, *((res["size"], res["sha256"]) if isinstance(res, dict) else res))
         ok = True
     finally:
         if not ok:

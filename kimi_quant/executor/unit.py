@@ -70,17 +70,23 @@ def convert_part(job: dict, paths: dict[str, str], out_dir: str,
                  progress: Callable[[int], None] | None = None, sync: bool = False) -> dict:
     """Write the tensors of ``job`` (a part of output shard ``job["file"]``) into the shard's
     temporary file ``job["partial"]``, which the driver created with the header, at the byte
-    offsets ``job["offsets"]``; return {file, part, inputs}."""
+    offsets ``job["offsets"]``; return {file, part, inputs}. A ``whole`` job (the part is the
+    whole shard) also hashes and renames the shard: its result adds size and sha256."""
     tensors = [TensorPlan(**t) for t in job["tensors"]]
     entries = {name: (dt, tuple(shape)) for t in tensors for name, dt, shape in t.outputs}
-    writer = PartWriter(Path(out_dir) / job["partial"], job["offsets"], entries, job["file"])
+    whole = bool(job.get("whole"))
+    writer = PartWriter(Path(out_dir) / job["partial"], job["offsets"], entries, job["file"], whole=whole)
+    res = {"file": job["file"], "part": job["part"]}
     try:
         _convert_tensors(tensors, paths, writer, progress)
-    except BaseException:
+        if whole:
+            res["size"], res["sha256"] = writer.commit()
+        else:
+            writer.close(sync=sync)
+    finally:
         writer.close()
-        raise
-    writer.close(sync=sync)
-    return {"file": job["file"], "part": job["part"], "inputs": _hash_inputs(job, paths)}
+    res["inputs"] = _hash_inputs(job, paths)
+    return res
 
 
 def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,

@@ -176,21 +176,37 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
 class PartWriter:
     """A worker's side: writes tensors of one part into an existing shard file at their offsets.
 
-    Same ``write`` / ``write_chunks`` calls as ``ShardWriter``; the shard is never created here."""
+    Same ``write`` / ``write_chunks`` calls as ``ShardWriter``; the shard is never created here, so a
+    worker of a stopped run (its file removed by the driver) can leave nothing behind.
+
+    ``whole``: this part is the whole shard (tensors arrive front to back): the writer hashes the
+    header and every byte as it writes them, and ``commit`` fsyncs and renames the file, as the
+    streaming ``ShardWriter`` does: no second read of the shard, no driver thread."""
 
     def __init__(self, tmp: str | Path, offsets: dict[str, int], entries: dict[str, tuple[str, tuple[int, ...]]],
-                 shard: str):
+                 shard: str, whole: bool = False):
         self.tmp, self.offsets, self.entries, self.shard = Path(tmp), offsets, entries, shard
         try:
-            self._fd = os.open(self.tmp, os.O_WRONLY)
+            self._fd = os.open(self.tmp, os.O_RDWR if whole else os.O_WRONLY)
         except FileNotFoundError:
             raise KimiQuantError(f"{self.tmp} is gone: the run converting {shard} was stopped") from None
+        self._sha = self._at = None
+        if whole:  # the header the driver wrote is all that precedes the first tensor
+            self._at = min(offsets.values(), default=None)
+            if self._at is None:
+                self._at = os.fstat(self._fd).st_size
+            self._sha = hashlib.sha256(os.pread(self._fd, self._at, 0))
 
     def _size(self, name: str) -> int:
         dtype, shape = self.entries[name]
         return nbytes(dtype, shape)
 
     def _put(self, buf: memoryview, offset: int) -> None:
+        if self._sha is not None:
+            if offset != self._at:
+                raise RuntimeError(f"whole-shard writer for {self.shard}: bytes at {offset}, expected {self._at}")
+            self._sha.update(buf)
+            self._at += buf.nbytes
         try:
             _pwrite_all(self._fd, buf, offset)
         except OSError as e:
@@ -213,11 +229,31 @@ class PartWriter:
         if at - start != self._size(name):
             raise RuntimeError(f"part of {self.shard}: {name} has {at - start} bytes, expected {self._size(name)}")
 
+    def commit(self) -> tuple[int, str]:
+        """A ``whole`` writer's last step: fsync, rename to the shard's final name; (size, sha256)."""
+        path = self.tmp.parent / self.shard
+        try:
+            if os.fstat(self._fd).st_size != self._at:
+                raise RuntimeError(f"whole-shard writer for {self.shard}: {self._at} bytes written, file has "
+                                   f"{os.fstat(self._fd).st_size}")
+            os.fsync(self._fd)
+        finally:
+            self.close()
+        try:
+            os.replace(self.tmp, path)
+        except FileNotFoundError:
+            raise KimiQuantError(f"{self.tmp} is gone: the run converting {self.shard} was stopped") from None
+        fsync_dir(path.parent)
+        return self._at, self._sha.hexdigest()
+
     def close(self, sync: bool = False) -> None:
         """``sync``: flush this part to stable storage now. A shard's writers are on other nodes (Ray),
         where the driver's fsync of the whole file reaches only its own node's cache."""
+        if self._fd is None:
+            return
         try:
             if sync:
                 os.fdatasync(self._fd)
         finally:
             os.close(self._fd)
+            self._fd = None
