@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,9 +69,9 @@ def tree_rss(pids: list[int]) -> tuple[int, int]:
     return total, biggest
 
 
-def run_measured(cmd: list[str]) -> dict:
+def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     peak_sum = peak_max = 0
     cpu: dict[int, float] = {}  # pid -> CPU seconds when last seen (a worker's last 20 ms are missed)
     while proc.poll() is None:
@@ -146,22 +147,121 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
     return rows
 
 
-def bench_llm_compressor(src: Path, work: Path, python: str) -> list[dict]:
-    """llm-compressor's model-free path on the same checkpoint (run by ``python``, e.g. its own venv)."""
-    if subprocess.run([python, "-c", "import llmcompressor"], capture_output=True).returncode:
+#: What llm-compressor is asked to do for each of our schemes: the same storage where it has one.
+#: a3: int4 per output channel, symmetric, packed 8 per int32 (``pack-quantized``), int8 per-token
+#: dynamic activations (W4A8); W8A8 per channel in int8 (``int-quantized``). 950dt: its MXFP4 and
+#: MXFP8 presets (E2M1 / E4M3 with an E8M0 scale per 32 weights, like ours).
+LLMC_SCHEMES = {
+    "W4A8_DYNAMIC": {"weights": dict(num_bits=4, type="int", strategy="channel", symmetric=True, dynamic=False),
+                     "input_activations": dict(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True),
+                     "format": "pack-quantized"},
+    "W8A8_DYNAMIC": {"preset": "W8A8", "format": "int-quantized"},
+    "W4A8_MXFP": {"preset": "MXFP4", "format": "mxfp4-pack-quantized"},
+    "W8A8_MXFP8": {"preset": "MXFP8", "format": "mxfp8-quantized"},
+}
+
+
+def our_tensor_sets(src: Path, target: str) -> dict[str, list[str]]:
+    """scheme -> module names (tensor name less ``.weight``) our plan quantizes with it."""
+    from kimi_quant.convert import build_plan
+    from kimi_quant.source import open_source
+
+    source = open_source(str(src))
+    try:
+        plan = build_plan(source, target)
+    finally:
+        source.close()
+    sets: dict[str, list[str]] = {}
+    for u in plan.units:
+        for t in u.tensors:
+            if t.scheme != "FLOAT":
+                sets.setdefault(t.scheme, []).append(t.name.removesuffix(".weight"))
+    return sets
+
+
+def inventory(out: Path) -> dict:
+    """What a safetensors output holds: files, bytes, tensors, and tensors per dtype."""
+    files = sorted(out.glob("*.safetensors"))
+    by_dtype: dict[str, int] = {}
+    n = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                by_dtype[meta["dtype"]] = by_dtype.get(meta["dtype"], 0) + 1
+                n += 1
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files), "tensors": n,
+            "by_dtype": dict(sorted(by_dtype.items()))}
+
+
+def run_llmc(spec_file: str) -> None:
+    """Run by the llm-compressor interpreter (``--llmc-spec``): model_free_ptq with one config group
+    per scheme, each targeting exactly the modules our plan gives that scheme."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from llmcompressor import model_free_ptq
+
+    spec = json.loads(Path(spec_file).read_text())
+    groups = {}
+    for scheme, modules in spec["sets"].items():
+        how = LLMC_SCHEMES[scheme]
+        targets = ["re:^(?:" + "|".join(re.escape(m) for m in modules) + ")$"]
+        if "preset" in how:
+            qs = preset_name_to_scheme(how["preset"], targets)
+            qs = qs.model_copy(update={"format": how["format"]})
+        else:
+            qs = QuantizationScheme(targets=targets, format=how["format"],
+                                    **{k: QuantizationArgs(**v) for k, v in how.items() if k != "format"})
+        groups[scheme] = qs
+    config = QuantizationConfig(config_groups=groups, ignore=[])
+    torch.set_num_threads(spec["threads"])
+    model_free_ptq(spec["src"], spec["out"], config=config, max_workers=spec["workers"], device="cpu")
+
+
+def bench_llm_compressor(src: Path, work: Path, python: str, targets: list[str], ours: list[dict],
+                         repeat: int = 1, path: str | None = None) -> list[dict]:
+    """llm-compressor's model-free path (run by ``python``, which has it importable) on the same
+    checkpoint, asked to quantize exactly the tensors our plan quantizes, in the same formats (see
+    ``LLMC_SCHEMES``); both tools' output inventories; the speed ratio to our default-shard run."""
+    env = dict(os.environ)
+    if path:  # llm-compressor installed apart (pip install --no-deps --target DIR): only its runs see it
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
+    if subprocess.run([python, "-c", "import llmcompressor"], capture_output=True, env=env).returncode:
         print(f"llm-compressor not importable by {python}: skipping the side-by-side", file=sys.stderr)
         return []
     rows = []
-    code = ("import sys; from llmcompressor import model_free_ptq; "
-            "model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[3], ignore=['re:.*norm.*','re:.*lm_head.*','re:.*embed.*','re:.*conv1d.*','re:.*A_log','re:.*dt_bias','re:.*e_score_correction_bias','re:.*vision_tower.*','re:.*mm_projector.*','re:.*res_proj.*','re:.*\\.gate\\.weight'], device='cpu')")
-    for scheme in ("W4A8", "MXFP4"):
-        out = work / f"llmc-{scheme}"
-        shutil.rmtree(out, ignore_errors=True)
-        r = run_measured([python, "-c", code, str(src), str(out), scheme])
-        nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    cores = os.cpu_count() or 1
+    for target in targets:
+        sets = our_tensor_sets(src, target)
+        out = work / f"llmc-{target}"
+        ours_out = work / f"ours-{target}"
+        spec = work / f"llmc-{target}.json"
+        spec.write_text(json.dumps({"src": str(src), "out": str(out), "sets": sets, "workers": cores, "threads": 1}))
+        runs = []
+        for _ in range(repeat):
+            shutil.rmtree(out, ignore_errors=True)
+            runs.append(run_measured([python, __file__, "--llmc-spec", str(spec)], env=env))
+        runs.sort(key=lambda r: r["seconds"])
+        r = runs[len(runs) // 2]
+        theirs = inventory(out)
         shutil.rmtree(out, ignore_errors=True)  # a few GB: on tmpfs it would squeeze the page cache
-        rows.append({"tool": "llm-compressor", "scheme": scheme, "seconds": round(r["seconds"], 2),
-                     "gbps": round(nbytes / r["seconds"] / 1e9, 3), "peak_rss_tree_mb": r["peak_rss_tree"] >> 20})
+        shutil.rmtree(ours_out, ignore_errors=True)
+        subprocess.run(["kimi-quant", "convert", str(src), "-t", target, "-o", str(ours_out), "--quiet"], check=True,
+                       stdout=subprocess.DEVNULL)
+        mine = inventory(ours_out)
+        shutil.rmtree(ours_out, ignore_errors=True)
+        gbps = nbytes / r["seconds"] / 1e9
+        same = [o for o in ours if o["target"] == target and o["options"] == "" and o["shard"] == "4GiB"
+                and o["workers"] in (None, cores)]
+        rows.append({"tool": "llm-compressor", "target": target, "quantized": {k: len(v) for k, v in sets.items()},
+                     "runs": repeat, "seconds": round(r["seconds"], 2), "gbps": round(gbps, 3),
+                     "cores_busy": round(r["cores_busy"], 2), "loadavg_1m": round(os.getloadavg()[0], 2),
+                     "peak_rss_tree_mb": r["peak_rss_tree"] >> 20,
+                     "kimi_quant_speedup": round(same[0]["gbps"] / gbps, 1) if same else None,
+                     "inventory_llmc": theirs, "inventory_kimi_quant": mine})
     return rows
 
 
@@ -179,11 +279,17 @@ def main() -> None:
                     help="output shard sizes to run (e.g. 4GiB 128MiB: the default and a small one)")
     ap.add_argument("--llm-compressor", action="store_true", help="also run llm-compressor model_free_ptq")
     ap.add_argument("--llm-compressor-python", default=sys.executable,
-                    help="interpreter that has llmcompressor installed (keep it out of this venv)")
+                    help="interpreter that has llmcompressor importable (PYTHONPATH is passed on), e.g. this one "
+                         "with PYTHONPATH=DIR after pip install --no-deps --target DIR (see the bench extra)")
+    ap.add_argument("--llm-compressor-path", help="a folder llm-compressor was installed into (pip install --no-deps "
+                    "--target DIR ...): put on PYTHONPATH for its runs only")
+    ap.add_argument("--llmc-spec", help=argparse.SUPPRESS)  # internal: run llm-compressor on a spec (run_llmc)
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--also-hash-inputs", action="store_true",
                     help="repeat each conversion with --hash-inputs (sha256 of every local source shard)")
     args = ap.parse_args()
+    if args.llmc_spec:
+        return run_llmc(args.llmc_spec)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out or args.work)
@@ -198,7 +304,8 @@ def main() -> None:
             if args.double:
                 rows += bench(synth(work, 2 * args.experts), out, args.targets, workers, shard, repeat=args.repeat)
     if args.llm_compressor:
-        rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python)
+        rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python, args.targets, rows,
+                                     repeat=args.repeat, path=args.llm_compressor_path)
     print(f"cores: {os.cpu_count()}")
     for r in rows:
         print(json.dumps(r))
