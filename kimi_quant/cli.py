@@ -256,6 +256,9 @@ def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=
               help="Executor the estimates assume (Ray: each worker as fast as one core of this machine).")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards would be staged.")
 @click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
+@click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True),
+              help="Hub sources: the download link in GB/s; the time is then the longer of converting and "
+                   "downloading (with many workers, or Ray nodes, the link is the limit).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False),
               help="Write the plan as JSON, with the estimates under 'totals'.")
 @click.option("--shards/--no-shards", "show_shards", default=False, help="List the output shards and their inputs.")
@@ -263,7 +266,7 @@ def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=
 @click.option("--remeasure", is_flag=True, help="Measure this machine's codec rates again (else the stored ones).")
 @_calibrate_options
 def plan(source, target, recipe, overrides, max_shard_size, revision, workers, executor, work_dir, max_disk,
-         json_path, show_shards, verbose, remeasure, calibrate=False, calibration=None, calib_tokens=None,
+         link_gbps, json_path, show_shards, verbose, remeasure, calibrate=False, calibration=None, calib_tokens=None,
          act_order=None, damp=None, device="cpu", min_expert_tokens=None):
     """Size a conversion before running it, from headers only (no tensor data is read): output size,
     disk needed, peak memory and wall time for the given --workers/--executor, model_quant_type, and
@@ -301,7 +304,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, e
     rates = load_rates(remeasure, on_measure=lambda: click.echo(
         "measuring this machine's codec rates (once; the kernels are compiled first if they never were)",
         err=True))
-    job = size_job(p, rates, workers=workers, executor=executor, hub=hub, max_disk=max_disk if hub else None)
+    job = size_job(p, rates, workers=workers, executor=executor, hub=hub, max_disk=max_disk if hub else None,
+                   link_bps=link_gbps * 1e9 if link_gbps and hub else None)
     counts = p.scheme_counts()
     in_by, out_by = {}, {}
     for t in p.tensors():
@@ -403,9 +407,13 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
             lines.append(f"         + ~{_duration(job['compile_seconds'])} compiling the kernels (first run only)")
         if job.get("calibrate_seconds"):
             lines.append(f"         incl. ~{_duration(job['calibrate_seconds'])} for --calibrate")
-        if job["download_bytes"]:
+        if job["download_bytes"] and job.get("link_gbps"):
+            limit = "the link is the limit" if job["limit"] == "download" else "converting is the limit"
+            lines.append(f"         downloading {_gb(job['download_bytes'])} at {job['link_gbps']:g} GB/s overlaps "
+                         f"with converting: {limit}")
+        elif job["download_bytes"]:
             lines.append(f"         + downloading {_gb(job['download_bytes'])}, overlapped with converting "
-                         f"(alone at 1 GB/s: {_duration(job['download_bytes'] / 1e9)})")
+                         f"(alone at 1 GB/s: {_duration(job['download_bytes'] / 1e9)}; --link-gbps counts it)")
     lines.append("quant    " + model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())))
     return lines
 

@@ -4,13 +4,20 @@ The time estimate is arithmetic over the plan with rates measured on this machin
 own code (``convert_unit``) converts a sample shard, one small unit per scheme (``measure_rates``,
 ~1 s with the kernels cached), so a rate holds everything a worker spends on a byte: reading it
 from the page cache, quantizing or copying it, writing and hashing the output, Python around it.
-Rates are CPU seconds of one core per input byte, so the wall time is the core-seconds spread over
-the workers, never less than the slowest output shard. The rates are stored (``rates_path``) and reused until
-the tool version or the CPU changes; ``plan --remeasure`` takes them again.
+Rates are CPU seconds of one core per input byte. The scaling model (``wall_seconds``), the one
+docs/distributed.md uses for a 64-core node and for N Ray nodes:
 
-Not in the estimate: downloading a hub source (it overlaps with converting; the plan states its
-size), and reading a source that is not in the page cache (a disk slower than the codecs bounds
-the run instead).
+    T = start-up + max(C / N, D / L)
+
+C: core-seconds (input bytes x the rate of their scheme); N: workers that run at once (cores of
+this machine for the local executor, the cluster's for Ray; since shards are split into parts, no
+longer capped by the number of output shards); D / L: a hub source's bytes over the download link
+(``link_bps``, when given: the driver downloads for every worker, so with enough nodes the link is
+the limit). The rates are stored (``rates_path``) and reused until the tool version or the CPU
+changes; ``plan --remeasure`` takes them again.
+
+Not in the estimate: reading a source that is not in the page cache (a disk slower than the
+codecs bounds the run instead), and the few per cent that splitting the last shards costs.
 """
 
 from __future__ import annotations
@@ -141,6 +148,13 @@ def load_rates(remeasure: bool = False, on_measure=None) -> Rates:
     return r
 
 
+def wall_seconds(core_s: float, parallel: int, download_bytes: int = 0, link_bps: float | None = None) -> float:
+    """The scaling model: start-up + max(core-seconds over the workers, download over the link)."""
+    compute = core_s / max(parallel, 1)
+    download = download_bytes / link_bps if download_bytes and link_bps else 0.0
+    return STARTUP_S + max(compute, download)
+
+
 def unit_core_seconds(plan: Plan, rates: Rates) -> list[float]:
     """CPU seconds of one core per output shard."""
     out = []
@@ -173,11 +187,13 @@ def kernels_cached() -> bool | None:
 
 
 def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "local", hub: bool = False,
-             max_disk: int | None = None, input_sizes: dict[str, int] | None = None) -> dict:
+             max_disk: int | None = None, input_sizes: dict[str, int] | None = None,
+             link_bps: float | None = None) -> dict:
     """Disk, memory and time of converting ``plan`` (all numbers; ``plan`` prints them, --json stores them).
 
     ``hub``: the source is staged shard by shard (``max_disk`` bytes at most; without it the staging
-    default of two shards, or the shards of the largest output shard when that is more)."""
+    default of two shards, or the shards of the largest output shard when that is more). ``link_bps``:
+    the download link the time assumes for a hub source (``wall_seconds``)."""
     sizes = input_sizes or plan.inputs
     needs = [sum(sizes.get(f, 0) for f in u.needs) for u in plan.units]
     min_window = max(needs, default=0)
@@ -189,7 +205,10 @@ def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "
             staging = max(min_window, sum(sorted(sizes.values())[-2:]))
     biggest = max((t.in_bytes + t.out_bytes for t in plan.tensors() if t.scheme != FLOAT), default=0)
     cores = os.cpu_count() or 1
-    parallel = max(1, min(workers, len(plan.units) or 1, cores if executor == "local" else workers))
+    # shards are split into parts when fewer are left than workers: every worker works at any shard size
+    # (only a checkpoint with fewer quantized tensors than workers leaves some idle)
+    tensors = sum(1 for _ in plan.tensors())
+    parallel = max(1, min(workers, tensors or 1, cores if executor == "local" else workers))
     per_worker = biggest + WORKER_FIXED_BYTES
     job = {
         "in_bytes": plan.in_bytes, "out_bytes": plan.out_bytes, "units": len(plan.units),
@@ -208,11 +227,14 @@ def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "
         per_unit = unit_core_seconds(plan, rates)
         core_s = sum(per_unit)
         cached = kernels_cached()
-        compute = max(core_s / parallel, max(per_unit, default=0.0))
+        compute = core_s / parallel
+        download = job["download_bytes"] / link_bps if job["download_bytes"] and link_bps else 0.0
         calib = calibrate_seconds(plan, rates, workers)
         job.update({
             "core_seconds": round(core_s, 3),
-            "wall_seconds": round(STARTUP_S + compute + (calib or 0.0), 3),
+            "wall_seconds": round(wall_seconds(core_s, parallel, job["download_bytes"], link_bps) + (calib or 0.0), 3),
+            "limit": "download" if download > compute else "cpu",
+            "link_gbps": link_bps / 1e9 if link_bps else None,
             "compile_seconds": 0.0 if cached or executor == "ray" else COMPILE_S if cached is False else None,
             "calibrate_seconds": calib,
             "rate_gbps": round(plan.in_bytes / max(compute, 1e-9) / 1e9, 3),

@@ -283,6 +283,8 @@ def main() -> None:
                          "with PYTHONPATH=DIR after pip install --no-deps --target DIR (see the bench extra)")
     ap.add_argument("--llm-compressor-path", help="a folder llm-compressor was installed into (pip install --no-deps "
                     "--target DIR ...): put on PYTHONPATH for its runs only")
+    ap.add_argument("--llm-compressor-repeat", type=int, default=1,
+                    help="llm-compressor runs per target (each is ~40x slower than ours)")
     ap.add_argument("--llmc-spec", help=argparse.SUPPRESS)  # internal: run llm-compressor on a spec (run_llmc)
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--also-hash-inputs", action="store_true",
@@ -305,7 +307,7 @@ def main() -> None:
                 rows += bench(synth(work, 2 * args.experts), out, args.targets, workers, shard, repeat=args.repeat)
     if args.llm_compressor:
         rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python, args.targets, rows,
-                                     repeat=args.repeat, path=args.llm_compressor_path)
+                                     repeat=args.llm_compressor_repeat, path=args.llm_compressor_path)
     print(f"cores: {os.cpu_count()}")
     for r in rows:
         print(json.dumps(r))

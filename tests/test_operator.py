@@ -64,7 +64,8 @@ def test_plan_shards_on_request(tiny_source, cache_env):
 
 
 def test_plan_time_scales_with_workers(tmp_path, cache_env):
-    """More workers, less wall time (never below the slowest shard); Ray workers beyond the cores count."""
+    """More workers, less wall time at any shard count (shards are split into parts); Ray workers beyond
+    the cores count; with a download link given, a hub source is never faster than its download."""
     from kimi_quant.estimate import Rates, size_job
     from kimi_quant.plan import Plan, TensorPlan, UnitPlan
 
@@ -77,7 +78,16 @@ def test_plan_time_scales_with_workers(tmp_path, cache_env):
     many = size_job(p, rates, workers=64, executor="ray")
     assert one["core_seconds"] == pytest.approx(8 * 2 * 1024 * 1024 * 1e-7, rel=1e-3)
     assert eight["wall_seconds"] - 1 == pytest.approx((one["wall_seconds"] - 1) / 8, rel=1e-2)
-    assert many["wall_seconds"] == eight["wall_seconds"]  # 8 shards: at most 8 run at once
+    assert many["wall_seconds"] == eight["wall_seconds"]  # 8 tensors: at most 8 workers have work
+    # the same 8 tensors in one output shard: its parts run on every worker
+    p1 = Plan("src", None, "950dt", 32, {"name": "r"}, 1 << 30, p.inputs, [UnitPlan("u", [t for u in units for t in u.tensors])])
+    assert size_job(p1, rates, workers=8, executor="ray")["wall_seconds"] == eight["wall_seconds"]
+    assert size_job(p1, rates, workers=8, executor="ray")["limit"] == "cpu"
+    # a hub source over a link: the longer of converting and downloading
+    slow = size_job(p, rates, workers=8, executor="ray", hub=True, link_bps=1e6)
+    assert slow["limit"] == "download" and slow["wall_seconds"] == pytest.approx(1 + 16 * 2**20 / 1e6, abs=1e-3)
+    fast = size_job(p, rates, workers=8, executor="ray", hub=True, link_bps=1e12)
+    assert fast["limit"] == "cpu" and fast["wall_seconds"] == eight["wall_seconds"]
     hub = size_job(p, rates, workers=2, hub=True, max_disk=5 << 21)
     assert hub["disk_staging_bytes"] == 5 << 21 and hub["disk_needed_bytes"] == p.out_bytes + (5 << 21)
     assert hub["min_max_disk_bytes"] == 2 << 20 and not hub["max_disk_too_small"]
