@@ -1,10 +1,11 @@
-"""Ray executor: every job (a part of an output shard) is one Ray task on whichever node has a free core.
+"""Ray executor: every job (a whole output shard, or a part of one: executor/shards.py) is one Ray
+task on whichever node has a free core.
 
 Only the job's JSON and file *paths* travel (never tensors): each task reads its source shards
-and writes its tensors into the output shard's temporary file itself, so source and output must
-sit on a filesystem that every node mounts at the same path (see docs/distributed.md). The driver
-in convert.py still owns the journal, index, description and provenance, and hashes and renames
-each shard once its parts are in; a task returns only a small dict (``unit.run_job``).
+and writes its tensors into the output shard's temporary file (created by the driver) itself, so
+source and output must sit on a filesystem that every node mounts at the same path (see
+docs/distributed.md). The driver in convert.py still owns the journal, index, description and
+provenance; a task returns only a small dict (``unit.run_job``).
 
 - ``slots`` is the cluster's CPU count (or ``workers`` when given): the driver keeps that many
   jobs running (and as many queued).
@@ -180,7 +181,7 @@ def check_reachable(address: str, timeout: float = PROBE_SECONDS, origin: str = 
 
 
 class RayExecutor:
-    remote = True  # workers may be on other nodes: a shard is hashed and renamed by a task, not the driver
+    remote = True  # workers may be on other nodes: a split shard is hashed and renamed by a task, not the driver
 
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,
                  address: str | None = None, **_ignored):
@@ -272,8 +273,9 @@ class RayExecutor:
         with self._lock:
             outstanding = list(self._refs)
         if abort and outstanding:
-            # First a KeyboardInterrupt in each running task (its writer removes its .partial),
-            # then a kill for whatever has not stopped within a few seconds.
+            # First a KeyboardInterrupt in each running task, then a kill for whatever has not stopped
+            # within a few seconds. No task creates a file (the driver created and has already removed
+            # this run's temporary files), so even a killed one leaves nothing behind.
             for force, grace in ((False, 5), (True, 10)):
                 for ref in outstanding:
                     try:
