@@ -232,7 +232,7 @@ def _local_source(source: str) -> bool:
     return Path(source).expanduser().exists()
 
 
-def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=False) -> None:
+def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=False, link_gbps=None) -> None:
     """A local directory has no revisions and is read in place: --revision is refused (the run would
     not be the revision asked for), the staging options are ignored with a warning."""
     if not _local_source(source):
@@ -241,10 +241,10 @@ def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=
         raise KimiQuantError(f"--revision {revision}: {source} is a local directory, which has no revisions "
                              "(give the hub repo id to convert a revision, or drop --revision)")
     ignored = [name for name, v in (("--work-dir", work_dir), ("--max-disk", max_disk),
-                                    ("--keep-source", keep_source)) if v]
+                                    ("--keep-source", keep_source), ("--link-gbps", link_gbps)) if v]
     if ignored:
         click.echo(f"kimi-quant: warning: {', '.join(ignored)} ignored: {source} is a local directory, read in "
-                   "place (these options bound the staging of hub sources)", err=True)
+                   "place (these options are about downloading and staging hub sources)", err=True)
 
 
 @main.command(short_help="Size the job from headers only: output, disk, memory, time, schemes.")
@@ -282,7 +282,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, e
     from .estimate import load_rates, size_job
 
     cal = _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens)
-    _staging_options_for(source, revision, work_dir, max_disk)
+    _staging_options_for(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not _local_source(source)
     src = _open(source, revision, work_dir if hub else None)
     try:

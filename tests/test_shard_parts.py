@@ -156,6 +156,22 @@ def test_abort_removes_the_file_and_a_late_worker_stops(tmp_path):
     again.abort()
 
 
+def test_a_whole_shard_writer_of_a_stopped_run_leaves_nothing(tmp_path):
+    """The flake this fixes: a Ray task force-killed (or still running) after the driver aborted used to
+    leave its own .partial. Workers create no file: the driver's removal is final, even mid-write."""
+    path = tmp_path / "w.safetensors"
+    asm = ShardAssembly(path, ENTRIES, hash_here=False)
+    data = _data(np.random.default_rng(2))
+    w = PartWriter(asm.tmp, asm.offsets, {n: (d, s) for n, d, s in ENTRIES}, path.name, whole=True)
+    w.write("a", data["a"])
+    asm.abort()  # the driver stops the run while the worker writes
+    for name in ("b", "c", "d", "e"):
+        w.write(name, data[name])  # into the removed file
+    with pytest.raises(KimiQuantError, match="is gone"):
+        w.commit()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_whole_shard_job_hashes_as_it_writes(tmp_path):
     """A shard written by one job (enough shards left for every worker) is hashed front to back by
     its writer and renamed by it: the bytes and sha256 of the streaming writer, nothing read back."""
