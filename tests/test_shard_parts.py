@@ -111,13 +111,17 @@ def _data(rng):
             "e": rng.integers(0, 255, 13, dtype=np.uint8)}
 
 
-def test_parts_in_any_order_equal_one_stream(tmp_path):
-    rng = np.random.default_rng(0)
-    data = _data(rng)
+def _reference(tmp_path, seed: int):
+    """ENTRIES filled with seeded data, and (size, sha256) of the streaming writer's ref.safetensors."""
+    data = _data(np.random.default_rng(seed))
     ref = ShardWriter(tmp_path / "ref.safetensors", ENTRIES)
     for name, _, _ in ENTRIES:
         ref.write(name, data[name])
-    size, sha = ref.commit()
+    return data, ref.commit()
+
+
+def test_parts_in_any_order_equal_one_stream(tmp_path):
+    data, (size, sha) = _reference(tmp_path, 0)
     for trial in range(5):
         path = tmp_path / f"p{trial}.safetensors"
         asm = ShardAssembly(path, ENTRIES)
@@ -175,12 +179,7 @@ def test_a_whole_shard_writer_of_a_stopped_run_leaves_nothing(tmp_path):
 def test_a_whole_shard_job_hashes_as_it_writes(tmp_path):
     """A shard written by one job (enough shards left for every worker) is hashed front to back by
     its writer and renamed by it: the bytes and sha256 of the streaming writer, nothing read back."""
-    rng = np.random.default_rng(1)
-    data = _data(rng)
-    ref = ShardWriter(tmp_path / "ref.safetensors", ENTRIES)
-    for name, _, _ in ENTRIES:
-        ref.write(name, data[name])
-    size, sha = ref.commit()
+    data, (size, sha) = _reference(tmp_path, 1)
     path = tmp_path / "w.safetensors"
     asm = ShardAssembly(path, ENTRIES, hash_here=False)
     w = PartWriter(asm.tmp, asm.offsets, {n: (d, s) for n, d, s in ENTRIES}, path.name, whole=True)
