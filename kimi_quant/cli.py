@@ -368,7 +368,9 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
     from .plan import model_quant_type_meaning
 
     lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
-             + f" -> {p.target} (recipe {p.recipe['name']}): {job['units']} output shard"
+             + f" -> {p.target} (recipe {p.recipe['name']}"
+             + (f", int4 per group of {p.group_size}" if any(t.group_size for t in p.tensors()) else "")
+             + f"): {job['units']} output shard"
              + ("s" if job["units"] != 1 else "") + f" (max {_gb(p.max_shard_size)})",
              f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
              f"{_gb(job['in_bytes'])} BF16 input)"]
