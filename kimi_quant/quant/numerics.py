@@ -11,7 +11,9 @@ Everything here is vectorised numpy and meant to be read.  Conventions shared by
 Schemes
 -------
 W8A8_DYNAMIC  s = float32(amax / 127); q = clip(rint(w / s), -127, 127).
-W4A8_DYNAMIC  int4 per row, the smallest scale that clips nothing: max(max(w)/7, -min(w)/8) (``int4_scale``).
+W4A8_DYNAMIC  int4 per row, the smallest scale that clips nothing: max(max(w)/7, -min(w)/8) (``int4_scale``);
+              per group of G inputs (--group-size) the same rule per group, rounded up to float16
+              (``int4_group_scale``: the loader rounds the group scale to float16).
 W4A8_MXFP     E2M1 + E8M0 per 32 along K, exponent chosen from {OCP rule e0, e0 + 1} by block SSE.
 W8A8_MXFP8    E4M3 + E8M0 per 32 along K, exponent chosen likewise from {OCP rule, OCP rule + 1}.
 
