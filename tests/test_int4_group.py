@@ -341,7 +341,7 @@ def test_calibrate_with_group_size(tmp_path):
         out = tmp_path / f"cal-g{g}"
         res = convert(str(src), ConvertOptions(target="a3", output=out, quiet=True, workers=1, group_size=g,
                                                calibrate=CalibConfig(tokens=2048)))
-        assert res.calibration["gptq_tensors"] > 0
+        assert res.calibration["stats"]["gptq_tensors"] > 0
         verify_output(out)
         assert json.loads((out / DESC).read_text())["group_size"] == g
         report = run_validation(src, out, progress=False)
