@@ -224,7 +224,8 @@ def check_group_size(group_size: int, target: Target) -> None:
         return
     if not any(REGISTRY[s].reads_group_size for s in target.schemes if s in REGISTRY):
         raise RecipeError(f"--group-size is per-group int4 (W4A8_DYNAMIC) for --target a3; target {target.name} has no "
-                          f"such scheme (it runs {', '.join(target.schemes)}, whose blocks are fixed): drop --group-size")
+                          f"such scheme (it runs {', '.join(target.schemes)}, whose blocks are fixed): "
+                          "drop --group-size")
     if group_size not in INT4_GROUP_SIZES:
         raise RecipeError(f"--group-size {group_size}: must be one of {', '.join(map(str, INT4_GROUP_SIZES))} (the "
                           "group sizes msModelSlim writes per-group W4A8_DYNAMIC with), or 0 for per channel")

@@ -45,7 +45,8 @@ def _load_json(out_dir: Path, name: str) -> dict:
 def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Each quantized Linear's tensors have the dtypes and shapes its type requires."""
     for name, typ in desc.items():
-        for suffix in (".weight_scale", ".weight_offset", ".scale_bias", ".weight_scale_second", ".weight_offset_second"):
+        for suffix in (".weight_scale", ".weight_offset", ".scale_bias", ".weight_scale_second",
+                       ".weight_offset_second"):
             if name.endswith(suffix) and name not in TOP_LEVEL:
                 w = name[: -len(suffix)] + ".weight"
                 if desc.get(w) != typ and (typ != "FLOAT" or w in desc):

@@ -108,7 +108,8 @@ def test_per_group_w4a8_matches_msmodelslim_packing_and_scale_bias(ms, matmul, n
     codec = get_codec("W4A8_DYNAMIC", group)
     out = codec.quantize(w, matmul)
     q = nm.unpack_int4_along_n(out["weight"])
-    assert out["weight"].view(np.uint8).tobytes() == ms.w4a8_pack_int4(torch.from_numpy(q)).numpy().view(np.uint8).tobytes()
+    theirs_bytes = ms.w4a8_pack_int4(torch.from_numpy(q)).numpy().view(np.uint8).tobytes()
+    assert out["weight"].view(np.uint8).tobytes() == theirs_bytes
     s_eff = np.repeat(nm.int4_effective_scale(out["weight_scale"], out["weight_scale_second"]), group, axis=1)
     theirs = ms.process_scale(name, torch.from_numpy(q.astype(np.float32) * s_eff), 16).numpy()
     assert theirs.shape == out["scale_bias"].shape == (N, 16 if matmul == "down" else 1)

@@ -267,7 +267,8 @@ def test_convert_writes_the_per_group_layout_and_verify_checks_it(grouped, tmp_p
         assert desc[f"{e}.{suffix}"] == "W4A8_DYNAMIC"
     wm = json.loads((grouped / "quant_model_weights.safetensors.index.json").read_text())["weight_map"]
     t = load_file(grouped / wm[f"{e}.weight_scale_second"])
-    assert tuple(t[f"{e}.weight_scale_second"].shape) == (t[f"{e}.weight"].shape[0] * 2, t[f"{e}.weight"].shape[1] // 32)
+    n2, k = t[f"{e}.weight"].shape
+    assert tuple(t[f"{e}.weight_scale_second"].shape) == (n2 * 2, k // 32)
     shared = "language_model.model.layers.1.block_sparse_moe.shared_experts.down_proj"
     assert desc[f"{shared}.weight"] == "W8A8_DYNAMIC" and f"{shared}.weight_scale_second" not in desc  # unaffected
     prov = json.loads((grouped / "kimi_quant_provenance.json").read_text())
