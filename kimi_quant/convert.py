@@ -58,7 +58,8 @@ class ConvertOptions:
     source_options: dict = field(default_factory=dict)
     hash_inputs: bool = False  # sha256 local source shards no hub vouched for (~0.55 core-s per GB, as much as converting)
     calibrate: "CalibConfig | None" = None  # GPTQ with Hessians from a layer-streamed forward (kimi_quant.calibrate)
-    group_size: int = 0  # a3: per-group int4 for W4A8_DYNAMIC, G inputs per scale (0: per output channel)
+    group_size: int | None = None  # a3: per-group int4 for W4A8_DYNAMIC, G inputs per scale (0: per output
+    # channel; None: the recipe's group_size, default 0)
 
 
 @dataclass
@@ -84,7 +85,7 @@ class ConvertResult:
 
 
 def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(), max_shard_size=DEFAULT_MAX_SHARD_SIZE,
-               group_size: int = 0):
+               group_size: int | None = None):
     target = resolve_target(target_name)
     spec = load_model_spec_from_source(source, recipe_given=recipe_path is not None)
     recipe = load_recipe(target.name, recipe_path, list(overrides))
@@ -102,7 +103,7 @@ def plan_options(plan: Plan, opts: ConvertOptions) -> dict:
     return {"source": plan.source, "target": plan.target,
             "recipe": str(Path(opts.recipe).resolve()) if opts.recipe else None, "overrides": list(opts.overrides),
             "max_shard_size": plan.max_shard_size, "revision": plan.revision,
-            "group_size": opts.group_size or None}  # None when per channel: journals from before it stay equal
+            "group_size": opts.group_size}  # None when not given: journals from before it stay equal
 
 
 def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = (),

@@ -217,7 +217,8 @@ def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str |
 
 
 def check_group_size(group_size: int, target: Target) -> None:
-    """--group-size: per-group int4 is an a3 option (W4A8_DYNAMIC), in msModelSlim's sizes."""
+    """--group-size (or a recipe's group_size): per-group int4 is an a3 option (W4A8_DYNAMIC), in
+    msModelSlim's sizes."""
     from .quant.numerics import INT4_GROUP_SIZES
 
     if not group_size:
@@ -248,11 +249,14 @@ def _check_index(source_id: str, weight_map: dict[str, str], headers: dict[str, 
 
 
 def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
-              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, group_size: int = 0) -> Plan:
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, group_size: int | None = None) -> Plan:
     """Plan a conversion from headers only; refuses bad recipes and inconsistent inputs up front.
 
     group_size: 0, or G for per-group int4 (W4A8_DYNAMIC tensors get G inputs per scale, and the
-    description says "group_size": G; the other a3 types are unaffected: their loaders ignore it)."""
+    description says "group_size": G; the other a3 types are unaffected: their loaders ignore it);
+    None: the recipe's (``group_size`` in its target section, default 0)."""
+    if group_size is None:
+        group_size = recipe.group_size
     check_group_size(group_size, target)
     weight_map = source.weight_map()
     for rule in recipe.rules:  # a mistyped --override would otherwise be silently ignored

@@ -246,6 +246,21 @@ def test_plan_refuses_what_the_loader_cannot_read(tiny_source):
     assert "int4 per group of 32" in r.stdout.splitlines()[0]
 
 
+def test_recipe_group_size_and_the_option_that_overrides_it(tiny_source, tmp_path):
+    from importlib import resources
+
+    text = resources.files("kimi_quant.recipe").joinpath("kimi_k3.toml").read_text()
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(text.replace("# group_size = 256", "group_size = 32"))
+    r = kq("plan", tiny_source, "-t", "a3", "--recipe", recipe)
+    assert r.returncode == 0 and "int4 per group of 32" in r.stdout.splitlines()[0], r.stderr
+    r = kq("plan", tiny_source, "-t", "a3", "--recipe", recipe, "--group-size", "0")
+    assert r.returncode == 0 and "int4 per group" not in r.stdout, r.stderr
+    recipe.write_text(text.replace("# group_size = 256", "group_size = 'big'"))
+    r = kq("plan", tiny_source, "-t", "a3", "--recipe", recipe)
+    assert "group_size must be a non-negative integer" in error_line(r.stderr)
+
+
 @pytest.fixture(scope="module")
 def grouped(tiny_source, tmp_path_factory):
     out = tmp_path_factory.mktemp("group") / "out"
