@@ -150,6 +150,11 @@ def _plan_options(f):
         click.option("--max-shard-size", type=Size(MIN_SHARD_SIZE), default="4GiB", show_default=True,
                      help=f"Largest output shard, at least 64KiB ({SIZE_UNITS})."),
         click.option("--revision", help="Hub branch, tag or commit (resolved to a commit sha once)."),
+        click.option("--group-size", type=click.IntRange(min=0), default=None, metavar="G",
+                     help="a3: per-group int4 for the routed experts (W4A8_DYNAMIC), one scale per G inputs: 32, 64, "
+                          "128 or 256 (msModelSlim's sizes; every expert's K must be a multiple of G). Better "
+                          "quality, larger output (+6% of the expert bytes at 256); the description's group_size "
+                          "becomes G. 0: one scale per output channel. [default: the recipe's group_size, else 0]"),
     ]):
         f = deco(f)
     return f
@@ -265,7 +270,7 @@ def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=
 @click.option("--verbose", "-v", is_flag=True, help="Scheme table and the shard list as well.")
 @click.option("--remeasure", is_flag=True, help="Measure this machine's codec rates again (else the stored ones).")
 @_calibrate_options
-def plan(source, target, recipe, overrides, max_shard_size, revision, workers, executor, work_dir, max_disk,
+def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, work_dir, max_disk,
          link_gbps, json_path, show_shards, verbose, remeasure, calibrate=False, calibration=None, calib_tokens=None,
          act_order=None, damp=None, device="cpu", min_expert_tokens=None):
     """Size a conversion before running it, from headers only (no tensor data is read): output size,
@@ -286,7 +291,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, workers, e
     hub = not _local_source(source)
     src = _open(source, revision, work_dir if hub else None)
     try:
-        p = build_plan(src, target, recipe, overrides, max_shard_size)
+        p = build_plan(src, target, recipe, overrides, max_shard_size, group_size)
         if cal is not None:
             from .model.spec import load_model_spec_from_source
 
@@ -367,7 +372,9 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
     from .plan import model_quant_type_meaning
 
     lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
-             + f" -> {p.target} (recipe {p.recipe['name']}): {job['units']} output shard"
+             + f" -> {p.target} (recipe {p.recipe['name']}"
+             + (f", int4 per group of {p.group_size}" if any(t.group_size for t in p.tensors()) else "")
+             + f"): {job['units']} output shard"
              + ("s" if job["units"] != 1 else "") + f" (max {_gb(p.max_shard_size)})",
              f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
              f"{_gb(job['in_bytes'])} BF16 input)"]
@@ -445,9 +452,9 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
                    "vouched for it: hub sources, huggingface_hub's cache and --local-dir downloads.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar or summary.")
 @_calibrate_options
-def convert(source, target, recipe, overrides, max_shard_size, revision, output, workers, executor, ray_address,
-            overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs, quiet,
-            calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None, device="cpu",
+def convert(source, target, recipe, overrides, max_shard_size, revision, group_size, output, workers, executor,
+            ray_address, overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs,
+            quiet, calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None, device="cpu",
             min_expert_tokens=None):
     """Convert SOURCE (a local directory or a hub repo id) for a device family.
 
@@ -479,7 +486,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, output,
                           max_shard_size=max_shard_size, workers=workers, executor=executor,
                           executor_options={"address": ray_address} if ray_address else {},
                           overwrite=overwrite, quiet=quiet, revision=revision, source_options=source_options,
-                          hash_inputs=hash_inputs,
+                          hash_inputs=hash_inputs, group_size=group_size,
                           calibrate=_calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
                                                   min_expert_tokens))
     res = run_convert(source, opts)
@@ -600,8 +607,8 @@ def demo(ctx, output, do_validate):
         dest = out / f"tiny-{target}"
         click.echo(f"\n== convert --target {target} -> {dest}")
         ctx.invoke(convert, source=str(src), target=target, recipe=None, overrides=(), max_shard_size=parse_size("1MB"),
-                   revision=None, output=str(dest), workers=None, executor="local", ray_address=None, overwrite=False,
-                   work_dir=None, max_disk=None, keep_source=False, do_validate=do_validate, max_ppl_increase=None,
+                   revision=None, group_size=None, output=str(dest), workers=None, executor="local", ray_address=None,
+                   overwrite=False, work_dir=None, max_disk=None, keep_source=False, do_validate=do_validate, max_ppl_increase=None,
                    push_to=None, hash_inputs=False, quiet=False)
         ctx.invoke(verify, output=str(dest), no_rehash=False)
 

@@ -58,6 +58,8 @@ class ConvertOptions:
     hash_inputs: bool = False  # sha256 local source shards no hub vouched for (~0.55 core-s per GB, as much as converting)
     calibrate: "CalibConfig | None" = None  # GPTQ with Hessians from a layer-streamed forward (kimi_quant.calibrate)
     part_bytes: int = PART_BYTES  # input bytes per job: shards are written by many workers at once, in parts this size
+    group_size: int | None = None  # a3: per-group int4 for W4A8_DYNAMIC, G inputs per scale (0: per output
+    # channel; None: the recipe's group_size, default 0)
 
 
 @dataclass
@@ -82,11 +84,12 @@ class ConvertResult:
         return self.in_bytes_done / max(self.work_seconds, 1e-9) / 1e9
 
 
-def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(), max_shard_size=DEFAULT_MAX_SHARD_SIZE):
+def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(), max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+               group_size: int | None = None):
     target = resolve_target(target_name)
     spec = load_model_spec_from_source(source, recipe_given=recipe_path is not None)
     recipe = load_recipe(target.name, recipe_path, list(overrides))
-    return make_plan(source, spec, recipe, target, max_shard_size)
+    return make_plan(source, spec, recipe, target, max_shard_size, group_size)
 
 
 def _plan_summary(plan: Plan) -> dict:
@@ -99,7 +102,8 @@ def plan_options(plan: Plan, opts: ConvertOptions) -> dict:
     that differs names them, and the command that finishes the output is built from them."""
     return {"source": plan.source, "target": plan.target,
             "recipe": str(Path(opts.recipe).resolve()) if opts.recipe else None, "overrides": list(opts.overrides),
-            "max_shard_size": plan.max_shard_size, "revision": plan.revision}
+            "max_shard_size": plan.max_shard_size, "revision": plan.revision,
+            "group_size": opts.group_size}  # None when not given: journals from before it stay equal
 
 
 def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = (),
@@ -191,7 +195,7 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         made_dir = not out_dir.exists()
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()  # two runs into one directory would mix their shards (released in finally)
-        plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size)
+        plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size, opts.group_size)
         will_write = [*map(output_name, files_to_copy(source)), "config.json", CARD]
         if opts.calibrate is not None:
             from .calibrate.run import calibrated_plan, run_calibrated

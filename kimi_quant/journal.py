@@ -188,7 +188,7 @@ def _malformed(ev) -> str | None:
 
 #: options that change the plan, as the journal records them -> their command-line flag (None: positional)
 PLAN_OPTIONS = {"source": None, "target": "--target", "recipe": "--recipe", "overrides": "--override",
-                "max_shard_size": "--max-shard-size", "revision": "--revision"}
+                "max_shard_size": "--max-shard-size", "revision": "--revision", "group_size": "--group-size"}
 
 
 def _flags(options: dict, keys) -> list[str]:

@@ -83,6 +83,11 @@ class TensorPlan:
     scheme: str
     matmul: str | None
     outputs: list[list]  # [output name, dtype, shape] in write order (lists: JSON round-trips)
+    group_size: int = 0  # W4A8_DYNAMIC per group (--group-size); 0: per channel, and every other scheme
+
+    @property
+    def codec(self):
+        return get_codec(self.scheme, self.group_size)
 
     # cached: the full K3.1 plan asks for these millions of times (packing, summaries); plans are not mutated
     @cached_property
@@ -94,9 +99,12 @@ class TensorPlan:
         return sum(nbytes(d, s) for _, d, s in self.outputs)
 
     def to_json(self) -> dict:  # by hand: dataclasses.asdict deep-copies, ~10x slower on 250k tensors
-        return {"name": self.name, "file": self.file, "dtype": self.dtype, "shape": list(self.shape),
-                "scheme": self.scheme, "matmul": self.matmul,
-                "outputs": [[name, dtype, list(shape)] for name, dtype, shape in self.outputs]}
+        d = {"name": self.name, "file": self.file, "dtype": self.dtype, "shape": list(self.shape),
+             "scheme": self.scheme, "matmul": self.matmul,
+             "outputs": [[name, dtype, list(shape)] for name, dtype, shape in self.outputs]}
+        if self.group_size:  # only then: per-channel plans keep the fingerprints they always had
+            d["group_size"] = self.group_size
+        return d
 
 
 @dataclass
@@ -200,12 +208,28 @@ class Plan:
         return cls(**d)
 
 
-def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str | None):
+def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str | None, group_size: int = 0):
     if scheme == FLOAT:
         return [[name, dtype, list(shape)]]
     base = name.removesuffix(".weight")
     return [[f"{base}.{suffix}", dt, list(shp)]
-            for suffix, (dt, shp) in get_codec(scheme).out_specs(tuple(shape), matmul).items()]
+            for suffix, (dt, shp) in get_codec(scheme, group_size).out_specs(tuple(shape), matmul).items()]
+
+
+def check_group_size(group_size: int, target: Target) -> None:
+    """--group-size (or a recipe's group_size): per-group int4 is an a3 option (W4A8_DYNAMIC), in
+    msModelSlim's sizes."""
+    from .quant.numerics import INT4_GROUP_SIZES
+
+    if not group_size:
+        return
+    if not any(REGISTRY[s].reads_group_size for s in target.schemes if s in REGISTRY):
+        raise RecipeError(f"--group-size is per-group int4 (W4A8_DYNAMIC) for --target a3; target {target.name} has no "
+                          f"such scheme (it runs {', '.join(target.schemes)}, whose blocks are fixed): "
+                          "drop --group-size")
+    if group_size not in INT4_GROUP_SIZES:
+        raise RecipeError(f"--group-size {group_size}: must be one of {', '.join(map(str, INT4_GROUP_SIZES))} (the "
+                          "group sizes msModelSlim writes per-group W4A8_DYNAMIC with), or 0 for per channel")
 
 
 def _check_index(source_id: str, weight_map: dict[str, str], headers: dict[str, dict]) -> None:
@@ -225,8 +249,15 @@ def _check_index(source_id: str, weight_map: dict[str, str], headers: dict[str, 
 
 
 def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
-              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Plan:
-    """Plan a conversion from headers only; refuses bad recipes and inconsistent inputs up front."""
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, group_size: int | None = None) -> Plan:
+    """Plan a conversion from headers only; refuses bad recipes and inconsistent inputs up front.
+
+    group_size: 0, or G for per-group int4 (W4A8_DYNAMIC tensors get G inputs per scale, and the
+    description says "group_size": G; the other a3 types are unaffected: their loaders ignore it);
+    None: the recipe's (``group_size`` in its target section, default 0)."""
+    if group_size is None:
+        group_size = recipe.group_size
+    check_group_size(group_size, target)
     weight_map = source.weight_map()
     for rule in recipe.rules:  # a mistyped --override would otherwise be silently ignored
         if rule.override and not any(rule.matches(n) for n in weight_map):
@@ -254,11 +285,12 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
                                     "kimi-quant needs a BF16 source (dequantize it first)")
             role = spec.role(name)
             scheme = recipe.scheme_for(name, role.role)
+            group = group_size if scheme in REGISTRY and REGISTRY[scheme].reads_group_size else 0
             if not target.allows(scheme):  # load_recipe refuses these; a Recipe built in code may not
                 raise RecipeError(f"tensor {name!r}: scheme {scheme} is not for target {target.name} "
                                   f"(it takes {target.scheme_names()})")
             if scheme != FLOAT:
-                why = get_codec(scheme).check(info.shape, role.matmul)
+                why = get_codec(scheme, group).check(info.shape, role.matmul)
                 if why is None and info.dtype not in FLOAT_DTYPES:
                     why = f"source dtype {info.dtype} is not a float type"
                 if why is None and not name.endswith(".weight"):
@@ -273,7 +305,8 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
                 groups[role.fuse_group].add(scheme)
                 group_example.setdefault((role.fuse_group, scheme), name)
             tensors.append(TensorPlan(name, file, info.dtype, list(info.shape), scheme, role.matmul,
-                                      _outputs(name, info.dtype, list(info.shape), scheme, role.matmul)))
+                                      _outputs(name, info.dtype, list(info.shape), scheme, role.matmul, group),
+                                      group))
     for group, schemes in sorted(groups.items()):
         if len(schemes) > 1:
             examples = ", ".join(f"{group_example[(group, s)]} -> {s}" for s in sorted(schemes))
@@ -291,6 +324,7 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
         size += t.out_bytes
     n = len(shards)
     units = [UnitPlan(f"{OUTPUT_STEM}-{i + 1:05d}-of-{n:05d}.safetensors", ts) for i, ts in enumerate(shards)]
-    return Plan(source=source.id, revision=source.revision, target=target.name, group_size=target.group_size,
+    return Plan(source=source.id, revision=source.revision, target=target.name,
+                group_size=group_size or target.group_size,
                 recipe=recipe.describe(), max_shard_size=int(max_shard_size),
                 inputs={f: int(sizes.get(f, 0)) for f in files}, units=units)

@@ -17,6 +17,7 @@ from .journal import Journal
 from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from .dtypes import nonfinite
 from .plan import MXFP4_LOADER_K_MULTIPLE, model_quant_type_meaning, moe_layer_types
+from .quant.numerics import INT4_GROUP_SIZES
 from .source.safetensors import SafetensorsReader, read_header
 from .untrusted import inside, unsafe_name
 
@@ -44,7 +45,8 @@ def _load_json(out_dir: Path, name: str) -> dict:
 def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Each quantized Linear's tensors have the dtypes and shapes its type requires."""
     for name, typ in desc.items():
-        for suffix in (".weight_scale", ".weight_offset", ".scale_bias"):
+        for suffix in (".weight_scale", ".weight_offset", ".scale_bias", ".weight_scale_second",
+                       ".weight_offset_second"):
             if name.endswith(suffix) and name not in TOP_LEVEL:
                 w = name[: -len(suffix)] + ".weight"
                 if desc.get(w) != typ and (typ != "FLOAT" or w in desc):
@@ -62,6 +64,16 @@ def _check_types(out_dir: Path, desc: dict, shapes: dict[str, tuple[str, tuple[i
             sb = shapes.get(base + ".scale_bias")
             if sb is None or sb[0] != "F32" or sb[1][0] != N or sb[1][1] not in (1, 16):
                 raise _fail(out_dir, f"{base}.scale_bias: missing or not F32 [N,1]/[N,16] (N={N})")
+            G = desc["group_size"]
+            if G:  # the loader's per-group path: K / G scales per output channel
+                if K % G:
+                    raise _fail(out_dir, f"{base}: W4A8_DYNAMIC with K={K} under group_size {G}: K is not a multiple")
+                want["weight_scale_second"] = want["weight_offset_second"] = ("F32", (N, K // G))
+            else:
+                for suffix in ("weight_scale_second", "weight_offset_second"):
+                    if base + "." + suffix in shapes:
+                        raise _fail(out_dir, f"{base}.{suffix}: per-group scales but group_size is 0 (the loader "
+                                             "would read per-channel scales only)")
         elif typ == "W8A8_DYNAMIC":
             N, K = shp
             want = {"weight": ("I8", (N, K)), "weight_scale": ("F32", (N, 1)), "weight_offset": ("F32", (N, 1))}
@@ -118,10 +130,14 @@ def _check_top_level(out_dir: Path, desc: dict) -> None:
     if desc["version"] != "1.0.0":
         raise _fail(out_dir, f"{DESCRIPTION}: version {desc['version']!r} is not '1.0.0'")
     mx = any(t.endswith(("MXFP", "MXFP8")) for t in present)
-    if mx and desc["group_size"] != 32:
-        raise _fail(out_dir, f"{DESCRIPTION}: group_size {desc['group_size']!r} but MX types need 32")
-    if not mx and ranked + [t for t in present if t == "W4A8_DYNAMIC"] and desc["group_size"] != 0:
-        raise _fail(out_dir, f"{DESCRIPTION}: group_size {desc['group_size']!r} but the int path needs 0")
+    G = desc["group_size"]
+    if not isinstance(G, int) or isinstance(G, bool) or G < 0:
+        raise _fail(out_dir, f"{DESCRIPTION}: group_size {G!r} is not a non-negative integer")
+    if mx and G != 32:
+        raise _fail(out_dir, f"{DESCRIPTION}: group_size {G!r} but MX types need 32")
+    if not mx and ranked + [t for t in present if t == "W4A8_DYNAMIC"] and G not in (0, *INT4_GROUP_SIZES):
+        raise _fail(out_dir, f"{DESCRIPTION}: group_size {G!r} but the int path needs 0 (per channel) or one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))} (per-group W4A8_DYNAMIC)")
 
 
 def _check_provenance(out_dir: Path, journal: Journal) -> dict:
@@ -204,8 +220,8 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     for key, typ in moe_keys.items():  # what vLLM-Ascend reads for a model type it has no table for
         if desc.get(key) != typ:
             raise _fail(out_dir, f"{DESCRIPTION}: {key!r} is {desc.get(key)!r}, the layer's experts are {typ}")
+    _check_top_level(out_dir, desc)  # first: _check_types relies on a sane group_size
     _check_types(out_dir, {k: v for k, v in desc.items() if k in TOP_LEVEL or k in shapes}, shapes)
-    _check_top_level(out_dir, desc)
     if rehash:
         _check_finite(out_dir, files, desc)
     prov = _check_provenance(out_dir, journal)

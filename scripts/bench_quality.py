@@ -29,6 +29,10 @@ as a diagnostic only: it is not what decides.
     python scripts/bench_quality.py                 # the README table (~10-15 min on 2 cores)
     python scripts/bench_quality.py --quick         # short run (tests/test_quality_real_model.py)
     python scripts/bench_quality.py --schemes float,W4A8_DYNAMIC --per-tensor out.csv
+
+Per-group int4 rows (``convert --group-size G``): SmolLM2's inputs are K = 576 (q, k, v, o, gate,
+up) and 1536 (down), so G = 32 or 64 divides every tensor, G = 128 or 256 only down_proj's (the
+"where K allows" row keeps the others per channel).
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ class Scheme:
     baseline: str | None = None  # else a plain rule from numerics
     calibrated: bool = False
     versus: str | None = None  # the plain rule this data-free rule must not lose to
+    group: int = 0  # W4A8_DYNAMIC per group of this many inputs (convert --group-size); baselines likewise
+    group_where_divides: bool = False  # per channel on tensors whose K the group does not divide
 
 
 SCHEMES = [
@@ -94,11 +100,19 @@ SCHEMES = [
     Scheme("W8A8_DYNAMIC", "W8A8_DYNAMIC", "int8", codec="W8A8_DYNAMIC"),
     Scheme("W4A8_DYNAMIC", "W4A8_DYNAMIC (ours, data-free)", "int8", codec="W4A8_DYNAMIC", versus="int4_absmax"),
     Scheme("int4_absmax", "int4 per channel, plain absmax/7 rounding", "int8", baseline="int4_absmax"),
+    Scheme("W4A8_DYNAMIC/g64", "W4A8_DYNAMIC --group-size 64 (ours, data-free)", "int8", codec="W4A8_DYNAMIC",
+           versus="int4_g64_absmax", group=64),
+    Scheme("int4_g64_absmax", "int4 per group 64, plain absmax/7 rounding", "int8", baseline="int4_group_absmax",
+           group=64),
+    Scheme("W4A8_DYNAMIC/g256*", "W4A8_DYNAMIC --group-size 256 where K allows (down_proj), else per channel",
+           "int8", codec="W4A8_DYNAMIC", group=256, group_where_divides=True),
     Scheme("W4A8_MXFP", "W4A8_MXFP (ours, data-free)", "mxfp8", codec="W4A8_MXFP", versus="mxfp4_ocp"),
     Scheme("mxfp4_ocp", "MXFP4, OCP floor rule", "mxfp8", baseline="mxfp4_ocp"),
     Scheme("W8A8_MXFP8", "W8A8_MXFP8", "mxfp8", codec="W8A8_MXFP8"),
     Scheme("W8A8_DYNAMIC+gptq", "W8A8_DYNAMIC, calibrated (GPTQ)", "int8", codec="W8A8_DYNAMIC", calibrated=True),
     Scheme("W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC", calibrated=True),
+    Scheme("W4A8_DYNAMIC/g64+gptq", "W4A8_DYNAMIC --group-size 64, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC",
+           calibrated=True, group=64),
     Scheme("W4A8_MXFP+gptq", "W4A8_MXFP, calibrated (GPTQ)", "mxfp8", codec="W4A8_MXFP", calibrated=True),
     Scheme("W8A8_MXFP8+gptq", "W8A8_MXFP8, calibrated (GPTQ)", "mxfp8", codec="W8A8_MXFP8", calibrated=True),
 ]
@@ -110,22 +124,37 @@ def _int4_absmax(w: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * s[:, None]
 
 
+def _int4_group_absmax(w: np.ndarray, group: int) -> np.ndarray:
+    """Per group of ``group`` inputs: absmax / 7, round to nearest (float32 scales, no float16 step)."""
+    N, K = w.shape
+    g = w.reshape(N, K // group, group)
+    s = np.abs(g).max(axis=2, keepdims=True) / np.float32(7.0)
+    s = np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
+    return (np.clip(np.rint(g / s), -8, 7) * s).reshape(N, K).astype(np.float32)
+
+
 def _mxfp4_ocp(w: np.ndarray) -> np.ndarray:
     c, sc = nm.mxfp4_ocp_quantize(w)
     return nm.mx_dequantize(nm.e2m1_to_f32(c), sc)
 
 
-#: plain rules (float32 w -> dequantized float32 w), the baselines our data-free rules must not lose to
-BASELINES = {"int4_absmax": _int4_absmax, "mxfp4_ocp": _mxfp4_ocp}
+#: plain rules (float32 w[, group] -> dequantized float32 w), the baselines our data-free rules must not lose to
+BASELINES = {"int4_absmax": _int4_absmax, "mxfp4_ocp": _mxfp4_ocp, "int4_group_absmax": _int4_group_absmax}
 
 
 def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq: GPTQConfig | None) -> np.ndarray:
     """bf16 bits -> the float32 weight the quantized model computes with."""
+    group = scheme.group
+    if group and w_u16.shape[1] % group:
+        if not scheme.group_where_divides:
+            raise ValueError(f"{scheme.name}: K={w_u16.shape[1]} is not a multiple of {group}")
+        group = 0
     if scheme.baseline:
-        return BASELINES[scheme.baseline](bf16_to_f32(w_u16))
+        w = bf16_to_f32(w_u16)
+        return BASELINES[scheme.baseline](w, group) if group else BASELINES[scheme.baseline](w)
     from safetensors.numpy import load, save
 
-    codec = get_codec(scheme.codec)
+    codec = get_codec(scheme.codec, group)
     if scheme.calibrated:
         out = codec.quantize_bf16(w_u16, role, hessian=hessian, gptq=gptq)
     else:

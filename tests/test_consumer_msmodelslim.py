@@ -92,3 +92,30 @@ def test_mxfp4_codec_output_matches_msmodelslim_packing(ms):
     # and the element values times 2^(scale byte - 127) are what our dequantize returns
     scale = np.ldexp(1.0, res["weight_scale"].astype(np.int32) - 127).repeat(32, axis=1)
     np.testing.assert_array_equal(_e2m1_values(codes) * scale, out.dequantize(res))
+
+
+@pytest.mark.parametrize("matmul,name", [("gate", "model.layers.1.mlp.experts.3.gate_proj"),
+                                         ("down", "model.layers.1.mlp.experts.3.down_proj")])
+@pytest.mark.parametrize("group", [32, 128])
+def test_per_group_w4a8_matches_msmodelslim_packing_and_scale_bias(ms, matmul, name, group):
+    """Per group (--group-size): the same packing, and scale_bias as msModelSlim's process_scale sums it
+    from the dequantized weight. Ours uses the scale the kernel uses (float16(weight_scale *
+    weight_scale_second), exact here); msModelSlim's llm_ptq saver multiplies the codes by both scales
+    rounded to bfloat16 first, which agrees only to bfloat16 precision (checked too)."""
+    rng = np.random.default_rng(group)
+    N, K = 64, 512
+    w = (rng.standard_normal((N, K)) * 0.02 * np.exp(rng.standard_normal((N, 1)))).astype(np.float32)
+    codec = get_codec("W4A8_DYNAMIC", group)
+    out = codec.quantize(w, matmul)
+    q = nm.unpack_int4_along_n(out["weight"])
+    theirs_bytes = ms.w4a8_pack_int4(torch.from_numpy(q)).numpy().view(np.uint8).tobytes()
+    assert out["weight"].view(np.uint8).tobytes() == theirs_bytes
+    s_eff = np.repeat(nm.int4_effective_scale(out["weight_scale"], out["weight_scale_second"]), group, axis=1)
+    theirs = ms.process_scale(name, torch.from_numpy(q.astype(np.float32) * s_eff), 16).numpy()
+    assert theirs.shape == out["scale_bias"].shape == (N, 16 if matmul == "down" else 1)
+    np.testing.assert_allclose(out["scale_bias"], theirs, rtol=2e-6, atol=1e-6 * float(np.abs(theirs).max()))
+    second = torch.from_numpy(out["weight_scale_second"]).to(torch.bfloat16).float().numpy()
+    first = torch.from_numpy(out["weight_scale"]).to(torch.bfloat16).float().numpy()
+    bf16_way = ms.process_scale(name, torch.from_numpy(q.astype(np.float32) * np.repeat(second, group, axis=1) * first),
+                                16).numpy()
+    np.testing.assert_allclose(out["scale_bias"], bf16_way, rtol=2**-8, atol=2**-8 * float(np.abs(theirs).max()))

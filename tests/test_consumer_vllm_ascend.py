@@ -62,11 +62,13 @@ def tiny(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module", params=["a3", "950dt"])
+@pytest.fixture(scope="module", params=["a3", "950dt", "a3-group32"])
 def converted(request, tiny, tmp_path_factory):
+    """(target, output); "a3-group32": ``--group-size 32`` (the tiny experts have K = 64: two groups)."""
+    target, _, group = request.param.partition("-group")
     out = tmp_path_factory.mktemp(f"out-{request.param}")
-    convert(str(tiny), ConvertOptions(target=request.param, output=out, workers=1, quiet=True))
-    return request.param, out
+    convert(str(tiny), ConvertOptions(target=target, output=out, workers=1, quiet=True, group_size=int(group or 0)))
+    return target, out
 
 
 def _read_all(d: Path, index: str) -> dict[str, torch.Tensor]:
@@ -82,10 +84,10 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy() if t.dtype == torch.float8_e4m3fn else t.numpy()
 
 
-def _ours(qtype: str, ckpt: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """Our own codec's dequantization of Linear ``prefix``."""
+def _ours(qtype: str, ckpt: dict[str, torch.Tensor], prefix: str, group_size: int = 0) -> torch.Tensor:
+    """Our own codec's dequantization of Linear ``prefix`` (as the description's group_size says)."""
     parts = {k: _numpy(v) for k, v in ckpt.items() if k.startswith(prefix + ".")}
-    return torch.from_numpy(dequantize_prefixed(qtype, parts, prefix))
+    return torch.from_numpy(dequantize_prefixed(qtype, parts, prefix, group_size))
 
 
 def model_layers(spec, layout: str) -> list[tuple[str, str, list[str]]]:
@@ -227,16 +229,24 @@ def moe_weights(qtype: str, layer, I: int):
     """Per expert (gate [I, R], up [I, R], down [R, I]) from a processed fused-MoE layer, plus the
     A8W4 kernel's scale_bias terms where it has them."""
     out, bias = [], None
-    if qtype == "W4A8_DYNAMIC":  # w13 int32 [E, K, N/8] (int8 pairs packed along N), scales int64 [E, N]
+    if qtype == "W4A8_DYNAMIC":  # w13 int32 [E, K, N/8] (int8 pairs packed along N)
         q13 = _nibbles(layer.w13_weight.data.view(torch.int8), signed=True).float()  # [E, R, 2I]
         q2 = _nibbles(layer.w2_weight.data.view(torch.int8), signed=True).float()  # [E, I, R]
-        s13 = _uint64_scale(layer.w13_weight_scale.data)  # [E, 2I]
-        s2 = _uint64_scale(layer.w2_weight_scale.data).reshape(q2.shape[0], -1)  # [E, R]
-        w13 = (q13 * s13[:, None, :]).transpose(1, 2)
-        w2 = (q2 * s2[:, None, :]).transpose(1, 2)
+
+        def along_k(s, q):
+            """Scales [E, K, N] from process_scale's int64: per channel [E, N] / [E, 1, N], per group
+            [E, K/G, N] (the float16-rounded weight_scale * weight_scale_second)."""
+            s = _uint64_scale(s)
+            if s.dim() == 2 or s.shape[1] == 1:
+                return s.reshape(q.shape[0], 1, -1)
+            return s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
+
+        s13, s2 = along_k(layer.w13_weight_scale.data, q13), along_k(layer.w2_weight_scale.data, q2)
+        w13 = (q13 * s13).transpose(1, 2)
+        w2 = (q2 * s2).transpose(1, 2)
         # what the kernel adds back for its split int8 activations: 8 * sum_k w[n, k] per output n
-        bias = [(layer.w13_scale_bias.data, 8 * (q13 * s13[:, None, :]).sum(1)),
-                (layer.w2_scale_bias.data, 8 * (q2 * s2[:, None, :]).sum(1))]
+        bias = [(layer.w13_scale_bias.data, 8 * (q13 * s13).sum(1)),
+                (layer.w2_scale_bias.data, 8 * (q2 * s2).sum(1))]
     else:  # W4A8_MXFP: w13 [E, K/2, N] E2M1 along K, scales [E, K/64, N, 2]
         def dq(w, s):
             v = _e2m1(_nibbles(w.transpose(1, 2).contiguous(), signed=False))  # [E, N, K]
@@ -283,6 +293,8 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
             "W4A8_DYNAMIC": "AscendW4A8DynamicFusedMoEMethod"}[qtype].split(), (prefix, method.quant_method)
         if kind == "moe":
             E, I, R = spec.text.num_experts, spec.text.moe_intermediate_size, spec.text.latent_size
+            if qtype == "W4A8_DYNAMIC":  # the loader's per-group path exactly when the description says so
+                assert method.quant_method.is_per_channel_weight == (desc["group_size"] == 0), prefix
             method.create_weights(layer, num_experts=E, hidden_size=R, intermediate_size_per_partition=I,
                                   params_dtype=torch.bfloat16)
             _load_moe(layer, prefix, E, ckpt)
@@ -292,7 +304,7 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
                 for w, name in zip(ws, ("w1", "w3", "w2")):
                     full = f"{prefix}.{e}.{name}"
                     ref = src[f"{full}.weight"].float()
-                    ours = _ours(qtype, ckpt, full)
+                    ours = _ours(qtype, ckpt, full, desc["group_size"])
                     assert torch.equal(w, ours), f"{full}: the loader reads other weights than we wrote"
                     worst[qtype] = max(worst.get(qtype, 0.0), _rel(w, ref))
             for got, want in bias or ():
@@ -337,7 +349,7 @@ def test_what_used_to_fail_still_fails_in_the_real_loader(va, converted, tiny):
     cfg = _config(va, {**desc, f"{A}.g_proj.weight": "FLOAT"}, "sglang")
     with pytest.raises(ValueError, match="not all shards"):
         cfg.get_quant_method(_layer(va, "linear", f"{A}.fused_qkvg_proj"), f"{A}.fused_qkvg_proj")
-    if target == "a3":  # 3. W4A8_DYNAMIC on a plain Linear (shared experts): per-group only, group_size 0
+    if target == "a3" and desc["group_size"] == 0:  # 3. W4A8_DYNAMIC on a plain Linear: per-group only
         S = f"{M}.shared_experts.down_proj"
         cfg = _config(va, {**desc, f"{S}.weight": "W4A8_DYNAMIC"}, "sglang")
         layer = _layer(va, "row", S)
@@ -345,7 +357,7 @@ def test_what_used_to_fail_still_fails_in_the_real_loader(va, converted, tiny):
         with pytest.raises(ZeroDivisionError):
             method.create_weights(layer, input_size_per_partition=128, output_partition_sizes=[128], input_size=128,
                                   output_size=128, params_dtype=torch.bfloat16, weight_loader=None)
-    else:  # 3. W4A8_MXFP with K % 64 != 0: the scales cannot be paired
+    elif target == "950dt":  # 3. W4A8_MXFP with K % 64 != 0: the scales cannot be paired
         S = f"{M}.shared_experts.down_proj"
         cfg = _config(va, desc, "sglang")
         layer = _layer(va, "row", S)

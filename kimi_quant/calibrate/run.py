@@ -220,7 +220,7 @@ class _Overlay(Mapping):
 
 
 def _dequantized(t: TensorPlan, out: dict[str, np.ndarray]) -> torch.Tensor:
-    w = np.asarray(get_codec(t.scheme).dequantize(dict(out)), dtype=np.float32)
+    w = np.asarray(t.codec.dequantize(dict(out)), dtype=np.float32)
     return torch.from_numpy(np.ascontiguousarray(w))
 
 

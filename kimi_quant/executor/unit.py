@@ -33,7 +33,8 @@ def check_codec_outputs(scheme: str, outputs: list, arrays, where: str) -> None:
     for (name, dtype, _), arr in zip(outputs, arrays):
         suffix = name.rsplit(".", 1)[-1]
         bad = nonfinite(arr, "F8_E8M0" if suffix in e8m0 else dtype)
-        if not bad and suffix == "weight_scale" and dtype in ("F32", "F16") and not bool(np.all(arr > 0)):
+        if not bad and suffix in ("weight_scale", "weight_scale_second") and dtype in ("F32", "F16") \
+                and not bool(np.all(arr > 0)):
             raise BadCheckpoint(f"{where}: {scheme} gives {name} a scale of zero or below; refusing to write it")
         if bad:
             raise BadCheckpoint(f"{where}: {scheme} gives {name} a NaN or Inf (weights too close to the top of the "
@@ -135,7 +136,7 @@ def write_tensor(writer: ShardWriter, reader: SafetensorsReader, t, quantize=Non
         _copy_float(writer, reader, t, where)
     else:
         w = reader.array(t.name)
-        codec = get_codec(t.scheme)
+        codec = t.codec
         try:
             if quantize is not None:
                 out = quantize(codec, to_f32(w, t.dtype), t.matmul)

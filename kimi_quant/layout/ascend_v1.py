@@ -79,6 +79,7 @@ def provenance(plan: Plan, inputs: dict[str, dict], units: dict[str, dict]) -> d
         "revision": plan.revision,
         "target": plan.target,
         "recipe": plan.recipe,
+        "group_size": plan.group_size,  # as in the description: W4A8_DYNAMIC per group of G inputs when a3 and > 0
         "max_shard_size": plan.max_shard_size,
         "inputs": inputs,
         "outputs": units,

@@ -130,6 +130,11 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
               (f" (BF16 source: {fmt_bytes(in_bytes)} in {len(inputs)} shards)" if in_bytes else "") + " |"]
     if types:
         lines.append("| Tensors by type | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
+    if "W4A8_DYNAMIC" in types:
+        g = desc.get("group_size")
+        lines.append("| Int4 scales | " + (f"per group of {g} inputs (`--group-size {g}`): weight_scale_second, "
+                                           "float16 values" if isinstance(g, int) and g > 0 else
+                                           "per output channel (`--group-size` not given)") + " |")
     rules = recipe.get("rules") if isinstance(recipe, dict) else None
     if rules:
         lines.append("| Overrides | " + ", ".join(f"`{r.get('pattern')}={r.get('scheme')}`" for r in rules) + " |")

@@ -45,7 +45,14 @@ class Codec:
     #: outputs stored as U8 that hold E8M0 scales (0xFF is their NaN: never written)
     e8m0_outputs: ClassVar[tuple[str, ...]] = ()
     #: the suffixes ``dequantize`` reads
-    dequant_inputs: ClassVar[tuple[str, ...]] = ("weight", "weight_scale")
+    dequant_inputs: tuple[str, ...] = ("weight", "weight_scale")
+    #: whether the loader reads the description's ``group_size`` for this type (only W4A8_DYNAMIC: the
+    #: W8A8_DYNAMIC methods never look at it, MX blocks are 32 whatever it says)
+    reads_group_size: ClassVar[bool] = False
+
+    def with_group_size(self, group_size: int) -> "Codec":
+        """This scheme as the loader reads it under description ``"group_size": group_size``."""
+        return self
 
     def check(self, shape: tuple[int, ...], matmul: str | None) -> str | None:
         """Why this scheme cannot apply to a tensor of ``shape`` (None when it can)."""
@@ -149,10 +156,11 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-def dequantize_prefixed(scheme: str, tensors: dict[str, np.ndarray], prefix: str) -> np.ndarray:
+def dequantize_prefixed(scheme: str, tensors: dict[str, np.ndarray], prefix: str, group_size: int = 0) -> np.ndarray:
     """Dequantize Linear ``prefix`` (e.g. ``"model.layers.3.mlp.down_proj"``) from a name -> array dict
-    as read back from the output files, given its type string from quant_model_description.json."""
-    codec = get_codec(scheme)
+    as read back from the output files, given its type string and the ``group_size`` from
+    quant_model_description.json."""
+    codec = get_codec(scheme, group_size)
     parts = {}
     for key in codec.dequant_inputs:
         name = f"{prefix}.{key}"
@@ -162,8 +170,11 @@ def dequantize_prefixed(scheme: str, tensors: dict[str, np.ndarray], prefix: str
     return codec.dequantize(parts)
 
 
-def get_codec(name: str) -> Codec:
+def get_codec(name: str, group_size: int = 0) -> Codec:
+    """The codec of type string ``name``, as the loader reads it under the description's ``group_size``
+    (0: per channel; W4A8_DYNAMIC with G > 0: per group of G inputs; the other types ignore it)."""
     try:
-        return REGISTRY[name]
+        codec = REGISTRY[name]
     except KeyError:
         raise RecipeError(f"unknown scheme {name!r}; known: {', '.join(sorted(REGISTRY))}") from None
+    return codec.with_group_size(group_size) if group_size else codec

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import numerics as nm
-from .base import Codec, Spec, load_kernels, register
+from .base import REGISTRY, Codec, Spec, load_kernels, register
 from .gptq import Grid
 
 
@@ -23,17 +25,37 @@ def _raise_nonfinite(w_u16: np.ndarray, row: int) -> None:
 
 @register
 class W4A8Dynamic(Codec):
-    """int4 per-output-channel symmetric weights, int8 per-token dynamic activations.
+    """int4 symmetric weights, int8 per-token dynamic activations; per output channel (the default)
+    or per group of G inputs (``get_codec("W4A8_DYNAMIC", group_size=G)``, description "group_size": G).
 
     On disk: ``weight`` int8 [N/2, K] (nibbles packed along N: byte[j,k] = q[2j,k] & 0xF | q[2j+1,k] << 4),
     ``weight_scale`` / ``weight_offset`` float32 [N, 1], ``scale_bias`` float32 [N, 1] (gate/up) or
-    [N, 16] (down: 16 partial sums over contiguous K/16 chunks) = 8 * sum_k q[n,k] * s[n].
-    Scale (data-free): the smallest that clips nothing, max(max(w)/7, -min(w)/8) per row
-    (``numerics.int4_scale``); with a hessian, GPTQ on that grid (``gptq``).
+    [N, 16] (down: 16 partial sums over contiguous K/16 chunks) = 8 * sum_k q[n,k] * s[n,k].
+    Per channel: s[n,k] = weight_scale[n], the smallest that clips nothing, max(max(w)/7, -min(w)/8) per
+    row (``numerics.int4_scale``).  Per group: also ``weight_scale_second`` float32 [N, K/G] and
+    ``weight_offset_second`` float32 [N, K/G] (zeros); the loader's scale is
+    float16(weight_scale * weight_scale_second), so the group's rule is rounded up to float16 and
+    written whole into ``weight_scale_second``, with ``weight_scale`` = 1.0 (``numerics.int4_group_scale``).
+    With a hessian, GPTQ on the same grid (``gptq``).
     """
 
     name = "W4A8_DYNAMIC"
     rank = None  # never counts for model_quant_type
+    reads_group_size = True
+
+    def __init__(self, group_size: int = 0):
+        self.group_size = int(group_size)
+        if self.group_size:
+            self.dequant_inputs = ("weight", "weight_scale", "weight_scale_second")
+
+    def with_group_size(self, group_size: int) -> "W4A8Dynamic":
+        if not group_size:
+            return REGISTRY[self.name]
+        if group_size < 0:
+            raise ValueError(f"{self.name}: group size must be positive, got {group_size}")
+        if group_size not in _GROUPED:
+            _GROUPED[group_size] = W4A8Dynamic(group_size)
+        return _GROUPED[group_size]
 
     def check(self, shape, matmul):
         why = super().check(shape, matmul)
@@ -48,6 +70,9 @@ class W4A8Dynamic(Codec):
             return f"{self.name} supports K <= {nm.INT4_MAX_K} (got K={K})"
         if matmul == "down" and K % 16:
             return f"{self.name} down projection needs K divisible by 16 for scale_bias (got K={K})"
+        if self.group_size and K % self.group_size:
+            return (f"--group-size {self.group_size} needs K divisible by it (got K={K}; the loader reshapes the "
+                    f"scales into K / {self.group_size} groups)")
         return None
 
     def require(self, shape, matmul):
@@ -56,41 +81,67 @@ class W4A8Dynamic(Codec):
 
     def out_specs(self, shape, matmul) -> Spec:
         N, K = shape
-        return {
-            "weight": ("I8", (N // 2, K)),
-            "weight_scale": ("F32", (N, 1)),
-            "weight_offset": ("F32", (N, 1)),
-            "scale_bias": ("F32", (N, 16 if matmul == "down" else 1)),
-        }
+        specs = {"weight": ("I8", (N // 2, K)), "weight_scale": ("F32", (N, 1)), "weight_offset": ("F32", (N, 1))}
+        if self.group_size:
+            specs["weight_scale_second"] = ("F32", (N, K // self.group_size))
+            specs["weight_offset_second"] = ("F32", (N, K // self.group_size))
+        specs["scale_bias"] = ("F32", (N, 16 if matmul == "down" else 1))
+        return specs
 
     def data_free_codes(self, w, matmul):
+        if self.group_size:
+            q, s = nm.int4_group_quantize(w, self.group_size)
+            return Grid(s, self.group_size, "int", -8, 7), q
         q, s = nm.int4_quantize(w)
         return Grid(s[:, None], w.shape[1], "int", -8, 7), q
 
     def encode(self, codes, grid, matmul):
         q = codes.astype(np.int8)
-        s = np.ascontiguousarray(grid.scale[:, 0], dtype=np.float32)
-        return {
-            "weight": nm.pack_int4_along_n(q),
-            "weight_scale": s[:, None].copy(),
-            "weight_offset": np.zeros((q.shape[0], 1), np.float32),
-            "scale_bias": nm.int4_scale_bias(q, s, matmul),
-        }
+        N = q.shape[0]
+        if not self.group_size:
+            s = np.ascontiguousarray(grid.scale[:, 0], dtype=np.float32)
+            return {"weight": nm.pack_int4_along_n(q), "weight_scale": s[:, None].copy(),
+                    "weight_offset": np.zeros((N, 1), np.float32), "scale_bias": nm.int4_scale_bias(q, s, matmul)}
+        s = np.ascontiguousarray(grid.scale, dtype=np.float32)
+        return {"weight": nm.pack_int4_along_n(q), "weight_scale": np.ones((N, 1), np.float32),
+                "weight_offset": np.zeros((N, 1), np.float32), "weight_scale_second": s.copy(),
+                "weight_offset_second": np.zeros_like(s), "scale_bias": nm.int4_group_scale_bias(q, s, matmul)}
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
         w = _u16(w_u16)
         res = self.alloc(w.shape, matmul, out)
-        bad = load_kernels().int4_kernel(
-            w, res["weight"], res["weight_scale"], res["scale_bias"]
-        )
+        kernels = load_kernels()
+        if self.group_size:
+            chunks = res["scale_bias"].shape[1]
+            seg = math.gcd(self.group_size, w.shape[1] // chunks)
+            bad = kernels.int4_group_kernel(w, self.group_size, seg, res["weight"], res["weight_scale_second"],
+                                            res["scale_bias"])
+            res["weight_scale"].fill(1.0)
+            res["weight_offset_second"].fill(0)
+        else:
+            bad = kernels.int4_kernel(w, res["weight"], res["weight_scale"], res["scale_bias"])
         if bad >= 0:
             _raise_nonfinite(w, bad)
         res["weight_offset"].fill(0)
         return res
 
     def dequantize(self, tensors):
+        """What the loader computes with: q * weight_scale (per channel), or q * float16(weight_scale *
+        weight_scale_second) per group (its ``process_scale``)."""
         q = nm.unpack_int4_along_n(np.asarray(tensors["weight"]))
-        return q.astype(np.float32) * np.asarray(tensors["weight_scale"], np.float32).reshape(-1, 1)
+        first = np.asarray(tensors["weight_scale"], np.float32).reshape(-1, 1)
+        if not self.group_size:
+            return q.astype(np.float32) * first
+        second = np.asarray(tensors["weight_scale_second"], np.float32)
+        N, K = q.shape
+        if second.shape != (N, K // self.group_size) or K % self.group_size:
+            raise ValueError(f"{self.name} group size {self.group_size}: weight_scale_second is {list(second.shape)}, "
+                             f"the weight [{N}, {K}] needs [{N}, {K // self.group_size}]")
+        s = nm.int4_effective_scale(first, second)
+        return q.astype(np.float32) * np.repeat(s, self.group_size, axis=1)
+
+
+_GROUPED: dict[int, W4A8Dynamic] = {}
 
 
 @register

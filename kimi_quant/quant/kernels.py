@@ -318,6 +318,89 @@ def int4_kernel(w, packed_out, s_out, bias_out):
     return -1
 
 
+@njit(cache=True)
+def _fp16_ceil(s):
+    """numerics.fp16_ceil of float32 s >= 0, at least 2^-24 (numerics.int4_group_scale's floor):
+    float16 normals (s >= 2^-14) by clearing the 13 float32 mantissa bits float16 lacks and stepping
+    up if any was set; below, multiples of 2^-24 (exact float32 ops)."""
+    if s >= np.float32(2.0**-14):
+        u = _f32_as_u32(s)
+        r = u & np.uint32(0xFFFFE000)
+        if r != u:
+            r = r + np.uint32(0x2000)
+        return min(_u32_as_f32(np.uint32(r)), np.float32(65504.0))
+    v = np.float32(np.ceil(s * np.float32(2.0**24))) * np.float32(2.0**-24)
+    return max(v, np.float32(2.0**-24))
+
+
+@njit(cache=True)
+def _int4_group_row(w, n, group, seg, xu, qrow, qseg, s_out, bias_out):
+    """Row n of per-group int4: group scales (``numerics.int4_group_scale``), codes in qrow, and
+    scale_bias (``numerics.int4_group_scale_bias``: integer sums over segments of ``seg`` inputs,
+    which never straddle a group or a chunk); -1, or n if non-finite."""
+    row = w[n]
+    K = row.shape[0]
+    xf = xu.view(np.float32)
+    m = np.uint16(0)
+    for k in range(K):
+        b = row[k]
+        xf[k] = _bf16_f32(b)
+        m = max(m, _abs16(b))
+    if m >= 0x7F80:
+        return n
+    per = group // seg
+    for g in range(K // group):
+        xg = xf[g * group:(g + 1) * group]
+        hi = np.float32(0.0)
+        lo = np.float32(0.0)
+        for k in range(group):
+            x = xg[k]
+            hi = max(hi, x)
+            lo = min(lo, x)
+        if hi > 0 or lo < 0:
+            s = _fp16_ceil(max(hi / np.float32(7.0), -lo / np.float32(8.0)))
+        else:
+            s = np.float32(1.0)
+        s_out[n, g] = s
+        _int4_row_codes(xg, s, qrow[g * group:(g + 1) * group], per, qseg[g * per:(g + 1) * per])
+    chunks = bias_out.shape[1]
+    L = K // chunks
+    for c in range(chunks):
+        acc = np.float64(0.0)
+        k = c * L
+        while k < (c + 1) * L:
+            g = k // group
+            end = min((g + 1) * group, (c + 1) * L)
+            isum = np.int64(0)
+            for t in range(k // seg, end // seg):
+                isum += qseg[t]
+            acc += np.float64(isum) * np.float64(s_out[n, g])
+            k = end
+        bias_out[n, c] = np.float32(8.0 * acc)
+    return -1
+
+
+@njit(cache=True)
+def int4_group_kernel(w, group, seg, packed_out, s_out, bias_out):
+    """W4A8_DYNAMIC per group: packed_out int8 [N/2, K], s_out float32 [N, K/group]
+    (weight_scale_second), bias_out float32 [N, chunks]; seg = gcd(group, K / chunks)."""
+    N, K = w.shape
+    xu = np.empty(K, dtype=np.uint32)
+    q0 = np.empty(K, dtype=np.int8)
+    q1 = np.empty(K, dtype=np.int8)
+    qseg = np.empty(K // seg, dtype=np.int64)
+    for j in range(N // 2):
+        bad = _int4_group_row(w, 2 * j, group, seg, xu, q0, qseg, s_out, bias_out)
+        if bad >= 0:
+            return bad
+        bad = _int4_group_row(w, 2 * j + 1, group, seg, xu, q1, qseg, s_out, bias_out)
+        if bad >= 0:
+            return bad
+        for k in range(K):
+            packed_out[j, k] = np.int8((q0[k] & 0xF) | (q1[k] << 4))
+    return -1
+
+
 # ------------------------------------------------------------------------------------------ MX
 
 
@@ -529,5 +612,7 @@ def _warm(w) -> None:
     int8_kernel(w, np.empty((2, 32), np.int8), np.empty((2, 1), np.float32))
     for chunks in (1, 16):
         int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, chunks), np.float32))
+        int4_group_kernel(w, 32, 32 if chunks == 1 else 2, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32),
+                          np.empty((2, chunks), np.float32))
     mxfp4_kernel(w, np.empty((2, 16), np.uint8), np.empty((2, 1), np.uint8))
     mxfp8_kernel(w, np.empty((2, 32), np.uint8), np.empty((2, 1), np.uint8))

@@ -11,7 +11,9 @@ Everything here is vectorised numpy and meant to be read.  Conventions shared by
 Schemes
 -------
 W8A8_DYNAMIC  s = float32(amax / 127); q = clip(rint(w / s), -127, 127).
-W4A8_DYNAMIC  int4 per row, the smallest scale that clips nothing: max(max(w)/7, -min(w)/8) (``int4_scale``).
+W4A8_DYNAMIC  int4 per row, the smallest scale that clips nothing: max(max(w)/7, -min(w)/8) (``int4_scale``);
+              per group of G inputs (--group-size) the same rule per group, rounded up to float16
+              (``int4_group_scale``: the loader rounds the group scale to float16).
 W4A8_MXFP     E2M1 + E8M0 per 32 along K, exponent chosen from {OCP rule e0, e0 + 1} by block SSE.
 W8A8_MXFP8    E4M3 + E8M0 per 32 along K, exponent chosen likewise from {OCP rule, OCP rule + 1}.
 
@@ -150,6 +152,90 @@ def int4_scale_bias(q: np.ndarray, s: np.ndarray, matmul: str | None) -> np.ndar
     qsum = q.reshape(N, chunks, K // chunks).astype(np.int64).sum(axis=2).astype(np.float64)
     with np.errstate(over="ignore"):
         return (8.0 * qsum * s.astype(np.float64)[:, None]).astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# W4A8_DYNAMIC per group (description "group_size": G > 0)
+#
+# The loader multiplies weight_scale [N, 1] by weight_scale_second [N, K/G] in float32 and rounds the
+# product to float16 (vLLM-Ascend w4a8.py, AscendW4A8DynamicFusedMoEMethod.process_scale): that float16
+# value is the scale the kernel uses.  So the group scale is chosen on the float16 grid and written
+# whole into weight_scale_second, with weight_scale = 1.0: the product is exact and its float16
+# rounding changes nothing.
+
+#: group sizes msModelSlim writes per-group W4A8_DYNAMIC with (its GROUP_SIZE_LIST)
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+FP16_MAX = np.float32(65504.0)
+FP16_TINY = np.float32(2.0**-24)  # smallest positive float16 (a subnormal)
+
+
+def fp16_ceil(s: np.ndarray) -> np.ndarray:
+    """The smallest float16 value >= s, as float32 (s float32 > 0, finite); saturates at 65504."""
+    s = np.asarray(s, np.float32)
+    with np.errstate(over="ignore"):
+        h = s.astype(np.float16)  # round to nearest even (inf above 65520)
+    h = np.where(h.astype(np.float32) < s, np.nextafter(h, np.float16(np.inf)), h)
+    return np.minimum(h.astype(np.float32), FP16_MAX)
+
+
+def int4_group_scale(w: np.ndarray, group: int) -> np.ndarray:
+    """float32 [N, K/G]: per group of G inputs the smallest scale that clips nothing (``int4_scale``
+    of the group), rounded up to float16 (up: rounding never makes it clip).  Groups of zeros get 1.0;
+    nonzero groups at least 2^-24 (the smallest float16 step)."""
+    N, K = w.shape
+    g = w.reshape(N * (K // group), group)
+    hi = np.maximum(g.max(axis=1), np.float32(0.0)).astype(np.float32)
+    lo = np.minimum(g.min(axis=1), np.float32(0.0)).astype(np.float32)
+    s = np.maximum(hi / np.float32(7.0), -lo / np.float32(8.0)).astype(np.float32)
+    nz = (hi > 0) | (lo < 0)
+    s = np.where(nz, np.maximum(fp16_ceil(np.where(nz, s, np.float32(1.0))), FP16_TINY), np.float32(1.0))
+    return s.astype(np.float32).reshape(N, K // group)
+
+
+def int4_group_codes(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+    """q = clip(rint(w / s_group), -8, 7) as float32 (s float32 [N, K/G])."""
+    group = w.shape[1] // s.shape[1]
+    return np.clip(np.rint(w / np.repeat(s, group, axis=1)), np.float32(-8.0), np.float32(7.0))
+
+
+def int4_group_quantize(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """-> (q int8 [N, K] in [-8, 7], group scales float32 [N, K/G])."""
+    check_finite(w)
+    s = int4_group_scale(w, group)
+    return int4_group_codes(w, s).astype(np.int8), s
+
+
+def int4_effective_scale(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """The scale the loader hands the kernel: float16(weight_scale * weight_scale_second) as float32."""
+    with np.errstate(over="ignore"):
+        prod = np.asarray(first, np.float32).reshape(-1, 1) * np.asarray(second, np.float32)
+        return prod.astype(np.float32).astype(np.float16).astype(np.float32)
+
+
+def int4_group_scale_bias(q: np.ndarray, s: np.ndarray, matmul: str | None) -> np.ndarray:
+    """8 * sum_k q[n,k] * s[n, k // G]: [N, 1] (gate/up) or [N, 16] over 16 contiguous K chunks (down).
+
+    Per chunk, in increasing group order: the integer sum of the codes the chunk shares with a group
+    times that group's scale (exact in float64: |sum| < 2^21, s a float16 value), accumulated in
+    float64; then 8 * the total rounded once to float32.  The kernel repeats these additions."""
+    N, K = q.shape
+    group = K // s.shape[1]
+    chunks = 16 if matmul == "down" else 1
+    L = K // chunks
+    q64 = q.astype(np.int64)
+    s64 = s.astype(np.float64)
+    out = np.empty((N, chunks), np.float64)
+    for c in range(chunks):
+        acc = np.zeros(N, np.float64)
+        k = c * L
+        while k < (c + 1) * L:
+            g = k // group
+            end = min((g + 1) * group, (c + 1) * L)
+            acc = acc + q64[:, k:end].sum(axis=1).astype(np.float64) * s64[:, g]
+            k = end
+        out[:, c] = acc
+    with np.errstate(over="ignore"):
+        return (8.0 * out).astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class Recipe:
     roles: dict[str, str]
     rules: tuple[Rule, ...] = ()
     text: str = field(default="", repr=False)  # the TOML it came from (recorded in provenance)
+    group_size: int = 0  # a3: per-group int4 for W4A8_DYNAMIC (``group_size = G`` in the target's section)
     _by_role: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # role -> scheme cache
 
     def scheme_for(self, name: str, role: str) -> str:
@@ -63,7 +64,7 @@ class Recipe:
                 raise RecipeError(f"--override {text!r}: expected PATTERN=SCHEME, e.g. '*.mlp.down_proj=FLOAT'")
             rules.append(Rule(pattern.strip(), _check_scheme(scheme.strip(), f"--override {text!r}", self.target),
                               override=True))
-        return Recipe(self.name, self.target, self.default, self.roles, tuple(rules), self.text)
+        return Recipe(self.name, self.target, self.default, self.roles, tuple(rules), self.text, self.group_size)
 
     @property
     def sha256(self) -> str:
@@ -73,8 +74,11 @@ class Recipe:
         return h.hexdigest()
 
     def describe(self) -> dict:
-        return {"name": self.name, "target": self.target, "default": self.default, "roles": dict(self.roles),
-                "rules": [{"pattern": r.pattern, "scheme": r.scheme} for r in self.rules], "sha256": self.sha256}
+        d = {"name": self.name, "target": self.target, "default": self.default, "roles": dict(self.roles),
+             "rules": [{"pattern": r.pattern, "scheme": r.scheme} for r in self.rules], "sha256": self.sha256}
+        if self.group_size:  # only then: recipes without it describe (and fingerprint) as before
+            d["group_size"] = self.group_size
+        return d
 
 
 def _check_scheme(scheme: str, where: str, target: str) -> str:
@@ -137,5 +141,8 @@ def load_recipe(target: str, path: str | Path | None = None, overrides: list[str
         if not isinstance(r, dict) or "pattern" not in r or "scheme" not in r:
             raise RecipeError(f"{where}: [[targets.{target}.rules]] entry {i} needs 'pattern' and 'scheme'")
         rules.append(Rule(str(r["pattern"]), _check_scheme(str(r["scheme"]), f"{where} rule {r['pattern']!r}", target)))
-    recipe = Recipe(str(data.get("name", Path(where).stem)), target, default, roles, tuple(rules), text)
+    group_size = section.get("group_size", 0)
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 0:
+        raise RecipeError(f"{where}: [targets.{target}] group_size must be a non-negative integer, got {group_size!r}")
+    recipe = Recipe(str(data.get("name", Path(where).stem)), target, default, roles, tuple(rules), text, group_size)
     return recipe.with_overrides(list(overrides or []))

@@ -41,7 +41,7 @@ ACT_OF_TYPE = {
     "W8A8_MXFP8": "mxfp8",
     "W4A8_MXFP": "mxfp8",
 }
-QUANT_SUFFIXES = ("weight_scale", "weight_offset", "scale_bias")
+QUANT_SUFFIXES = ("weight_scale", "weight_offset", "scale_bias", "weight_scale_second", "weight_offset_second")
 EMBED_NAMES = ("model.embed_tokens.weight",)
 HEAD_NAMES = ("model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
               "lm_head.weight")
@@ -237,6 +237,10 @@ class QuantizedLoader(WeightLoader):
         if not (self.root / QUANT_DESCRIPTION).exists():
             raise KimiQuantError(f"{self.root}: no {QUANT_DESCRIPTION}: not an ascendV1 quantized directory")
         self.description = _read_json(self.root / QUANT_DESCRIPTION)
+        g = self.description.get("group_size", 0)
+        if not isinstance(g, int) or isinstance(g, bool) or g < 0:
+            raise BadCheckpoint(f"{self.root / QUANT_DESCRIPTION}: group_size {g!r} is not a non-negative integer")
+        self.group_size = g  # read as the loader reads it: W4A8_DYNAMIC per group when > 0
         wm = _read_json(self.root / QUANT_INDEX).get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise BadCheckpoint(f"{self.root / QUANT_INDEX}: has no weight_map")
@@ -274,7 +278,10 @@ class QuantizedLoader(WeightLoader):
             self._release(name)
             for suf in QUANT_SUFFIXES:
                 self._release(base + suf)
-        w = np.asarray(get_codec(qtype).dequantize(parts), dtype=np.float32)
+        try:
+            w = np.asarray(get_codec(qtype, self.group_size).dequantize(parts), dtype=np.float32)
+        except (KeyError, ValueError) as e:
+            raise BadCheckpoint(f"{self.root}: {name!r} ({qtype}, group_size {self.group_size}): {e}") from None
         del parts
         shape = self._expected.get(name, (None,))[0]
         if shape is not None and tuple(w.shape) != tuple(shape):
