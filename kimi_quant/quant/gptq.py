@@ -50,7 +50,7 @@ class GPTQConfig:
     guard:      per row, keep the data-free codes when they have the smaller input-weighted error
                 (so the calibrated result never loses to the data-free one on H; one extra [N,K]x[K,K]
                 product).
-    clip_ratios: int grids only (per-channel or per-group scales; MX block scales are powers of two):
+    clip_ratios: int4 grids only (per-channel or per-group scales; MX block scales are powers of two):
                 candidate scales r x (the codec's scale), per row; the row keeps the ratio whose
                 input-weighted error tr(dW H dW^T) is smallest.  Clipping a row's largest weights costs
                 little on H when their inputs are quiet, and the finer step helps every other weight.
@@ -266,7 +266,7 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     if ratios:  # int grids: the codec's scale and the clipped ones, judged on H (per row)
         clip = (lambda g: [g, *(_scaled(g, r) for r in ratios)]) if cfg.clip_after else \
             (lambda g: [_clip_before(w, g, ratios, H_true, W64)])
-        candidates = [c for g in candidates for c in (clip(g) if g.kind == "int" else [g])]
+        candidates = [c for g in candidates for c in (clip(g) if _clippable(g) else [g])]
     if cfg.guard:
         candidates.append(None)  # None: the data-free codes
     for grid in candidates:
@@ -292,6 +292,12 @@ def _merge_grids(a: Grid, b: Grid, take: np.ndarray) -> Grid:
     if a.scale_bytes is not None:
         sb = np.where(take[:, None], b.scale_bytes, a.scale_bytes)
     return Grid(np.where(take[:, None], b.scale, a.scale).astype(np.float32), a.group, a.kind, a.qmin, a.qmax, sb)
+
+
+def _clippable(g: Grid) -> bool:
+    """int grids of at most 4 bits: int8's step is so fine that a clip judged before GPTQ can lose
+    after it (tests/test_gptq.py shows a case), and it has little rounding error to trade."""
+    return g.kind == "int" and g.qmax - g.qmin < 16
 
 
 def _scaled(g: Grid, r: float) -> Grid:
