@@ -17,9 +17,12 @@ MXFP8 (E4M3, OCP floor exponent per block of 32) for the MX schemes.
 Text and perplexity convention: the documents of a split joined with "\\n\\n", tokenized by the
 model's own tokenizer (no special tokens), cut into non-overlapping windows of --seq tokens (the
 tail dropped); perplexity = exp(mean next-token NLL over all predicted positions of all windows).
-Evaluation on calibration/heldout.jsonl; Hessians H = (1/n) X^T X of every Linear's input from the
-float model on the first --calib-windows windows of calibration/train.jsonl (the same H feeds
-GPTQ and the weighted-error diagnostic).
+Evaluation on calibration/heldout.jsonl. Calibration: the first --calib-windows windows of
+calibration/train.jsonl. The calibrated rows run as ``convert --calibrate`` does (``quantize_sequential``):
+layer by layer, the attention projections' Hessians H = (1/n) X^T X from the state the already-quantized
+layers before give (activations emulated), then the MLP's from the state after the quantized attention
+(``--float-hessians``: all from the float model instead).  The weighted-error diagnostic uses the float
+model's Hessians for every row, so rows compare on one statistic.
 
 Diagnostic per tensor: rel. input-weighted error tr(dW H dW^T) / tr(W H W^T); the table prints
 its geometric mean over the 210 tensors, and for our data-free rules the number of tensors where

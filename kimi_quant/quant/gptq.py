@@ -307,7 +307,8 @@ def _scaled(g: Grid, r: float) -> Grid:
 
 def _clip_before(w: np.ndarray, g: Grid, ratios, H, W64) -> Grid:
     """Per row, the scale among ``g``'s and r x it (r in ``ratios``) whose plain rounding has the
-    smallest input-weighted error on H (ties keep the earlier, the unclipped first)."""
+    smallest input-weighted error on H (ties keep the earlier, the unclipped first).  One float64
+    [N, K] x [K, K] product per ratio: ~1.7 s each for a [3072, 3584] expert on one core."""
     best = None
     for grid in (g, *(_scaled(g, r) for r in ratios)):
         s = np.repeat(grid.scale, grid.group, axis=1) if grid.group < w.shape[1] else grid.scale
