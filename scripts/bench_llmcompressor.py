@@ -40,7 +40,13 @@ def llmcompressor_weights(model, calib, damp: float, act_order: bool):
         weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="channel",
                                  actorder="static" if act_order else None),
     )
-    ds = Dataset.from_dict({"input_ids": calib.tolist(), "attention_mask": [[1] * calib.shape[1]] * calib.shape[0]})
+    import pyarrow as pa
+
+    # a fixed fingerprint: datasets' own one hashes the arrow schema with dill, which fails on recent
+    # pyarrow (PicklingError on MonthDayNano)
+    ds = Dataset(pa.Table.from_pydict({"input_ids": calib.tolist(),
+                                       "attention_mask": [[1] * calib.shape[1]] * calib.shape[0]}),
+                 fingerprint="kimi-quant-calibration")
     t = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=GPTQModifier(config_groups={"g": scheme}, dampening_frac=damp,
                                                          ignore=["lm_head"]),
@@ -89,6 +95,7 @@ def main():
 
     p_float = ppl_with(None)
     p_ours = ppl_with(ours)
+    print(f"float ppl {p_float:.3f}; ours {p_ours:.3f} (x{p_ours / p_float:.3f}) in {t_ours:.1f} s", flush=True)
     ppl_with(None)
     theirs, t_lc = llmcompressor_weights(model, calib, cfg.damp, cfg.act_order)
     # llm-compressor's wrapped forward fake-quantizes the weight again with the same scale: idempotent
