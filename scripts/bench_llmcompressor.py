@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_quality as bq  # noqa: E402
 
 
-def llmcompressor_weights(model, calib, damp: float, act_order: bool):
+def llmcompressor_weights(model, tok, calib, damp: float, act_order: bool):
     """Run llm-compressor's GPTQ (int4, symmetric, per channel) in place; -> {linear name: dequantized weight}."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -50,7 +50,8 @@ def llmcompressor_weights(model, calib, damp: float, act_order: bool):
     t = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=GPTQModifier(config_groups={"g": scheme}, dampening_frac=damp,
                                                          ignore=["lm_head"]),
-            num_calibration_samples=calib.shape[0], max_seq_length=calib.shape[1])
+            num_calibration_samples=calib.shape[0], max_seq_length=calib.shape[1],
+            processor=tok)  # the GGUF model has no processor files it could load itself
     dt = time.perf_counter() - t
     out = {}
     for name, mod in model.named_modules():
@@ -97,7 +98,7 @@ def main():
     p_ours = ppl_with(ours)
     print(f"float ppl {p_float:.3f}; ours {p_ours:.3f} (x{p_ours / p_float:.3f}) in {t_ours:.1f} s", flush=True)
     ppl_with(None)
-    theirs, t_lc = llmcompressor_weights(model, calib, cfg.damp, cfg.act_order)
+    theirs, t_lc = llmcompressor_weights(model, tok, calib, cfg.damp, cfg.act_order)
     # llm-compressor's wrapped forward fake-quantizes the weight again with the same scale: idempotent
     missing = set(linears) - set(theirs)
     if missing:
