@@ -47,6 +47,12 @@ def llmcompressor_weights(model, tok, calib, damp: float, act_order: bool):
     ds = Dataset(pa.Table.from_pydict({"input_ids": calib.tolist(),
                                        "attention_mask": [[1] * calib.shape[1]] * calib.shape[0]}),
                  fingerprint="kimi-quant-calibration")
+    import tempfile
+
+    # oneshot re-reads the config from the model's directory, a GGUF one here: point it at a saved copy
+    cfg_dir = tempfile.mkdtemp(prefix="kq-lc-config-")
+    model.config.save_pretrained(cfg_dir)
+    model.config._name_or_path = cfg_dir
     t = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=GPTQModifier(config_groups={"g": scheme}, dampening_frac=damp,
                                                          ignore=["lm_head"]),
