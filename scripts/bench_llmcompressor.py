@@ -51,6 +51,8 @@ def llmcompressor_weights(model, tok, calib, damp: float, act_order: bool):
 
     # oneshot re-reads the config from the model's directory, a GGUF one here: point it at a saved copy
     cfg_dir = tempfile.mkdtemp(prefix="kq-lc-config-")
+    if hasattr(model.config, "quantization_config"):  # the GGUF origin; the weights are float32 now
+        del model.config.quantization_config
     model.config.save_pretrained(cfg_dir)
     model.config._name_or_path = cfg_dir
     t = time.perf_counter()
