@@ -50,7 +50,8 @@ def main():
     warmup()
     cfg = GPTQConfig(device=args.device)
     print(f"matrix [{args.n}, {args.k}], torch threads {torch.get_num_threads()}, device {args.device}")
-    print(f"{'scheme':<14}{'data-free s':>12}{'GPTQ s':>10}{'GPTQ no guard s':>17}{'no act-order s':>16}")
+    print(f"{'scheme':<14}{'data-free s':>12}{'GPTQ s':>10}{'GPTQ no guard s':>17}{'no act-order s':>16}"
+          f"{'no clip search s':>18}")
     for name in args.schemes.split(","):
         codec = get_codec(name)
         mm = ROLES[name]
@@ -58,11 +59,12 @@ def main():
         codec.quantize_bf16(w_u16, mm)
         t_free = time.process_time() - t
         times = []
-        for c in (cfg, replace(cfg, guard=False), replace(cfg, guard=False, act_order=False)):
+        for c in (cfg, replace(cfg, guard=False), replace(cfg, guard=False, act_order=False),
+                  replace(cfg, clip_ratios=())):
             t = time.process_time()
             codec.quantize(w, mm, hessian=H, gptq=c)
             times.append(time.process_time() - t)
-        print(f"{name:<14}{t_free:>12.2f}{times[0]:>10.2f}{times[1]:>17.2f}{times[2]:>16.2f}", flush=True)
+        print(f"{name:<14}{t_free:>12.2f}{times[0]:>10.2f}{times[1]:>17.2f}{times[2]:>16.2f}{times[3]:>18.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,12 @@ MXFP8 (E4M3, OCP floor exponent per block of 32) for the MX schemes.
 Text and perplexity convention: the documents of a split joined with "\\n\\n", tokenized by the
 model's own tokenizer (no special tokens), cut into non-overlapping windows of --seq tokens (the
 tail dropped); perplexity = exp(mean next-token NLL over all predicted positions of all windows).
-Evaluation on calibration/heldout.jsonl; Hessians H = (1/n) X^T X of every Linear's input from the
-float model on the first --calib-windows windows of calibration/train.jsonl (the same H feeds
-GPTQ and the weighted-error diagnostic).
+Evaluation on calibration/heldout.jsonl. Calibration: the first --calib-windows windows of
+calibration/train.jsonl. The calibrated rows run as ``convert --calibrate`` does (``quantize_sequential``):
+layer by layer, the attention projections' Hessians H = (1/n) X^T X from the state the already-quantized
+layers before give (activations emulated), then the MLP's from the state after the quantized attention
+(``--float-hessians``: all from the float model instead).  The weighted-error diagnostic uses the float
+model's Hessians for every row, so rows compare on one statistic.
 
 Diagnostic per tensor: rel. input-weighted error tr(dW H dW^T) / tr(W H W^T); the table prints
 its geometric mean over the 210 tensors, and for our data-free rules the number of tensors where
@@ -273,6 +276,87 @@ def collect_hessians(model, linears, calib, batch: int):
     return {n: (h / count["n"]).numpy() for n, h in stable.items()}
 
 
+class _Stop(Exception):
+    pass
+
+
+def _layer_inputs(model, calib, batch: int):
+    """Per calibration batch: (hidden state entering decoder layer 0, that layer's keyword arguments)."""
+    import torch
+
+    caught = []
+
+    def grab(mod, args, kwargs):
+        caught.append((args[0].detach(), dict(kwargs)))
+        raise _Stop
+
+    h = model.model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for i in range(0, calib.shape[0], batch):
+                try:
+                    model(calib[i:i + batch])
+                except _Stop:
+                    pass
+    finally:
+        h.remove()
+    return caught
+
+
+#: the order convert --calibrate quantizes a decoder layer in (kimi_quant/calibrate/run.py: the attention
+#: side from the incoming state, then the MLP from the state after the quantized attention)
+STAGES = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+          ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+
+
+def quantize_sequential(model, linears, calib, quantize, act: str | None, batch: int) -> dict[str, np.ndarray]:
+    """Quantize every Linear in place the way ``convert --calibrate`` does (propagate "quantized"):
+    layer by layer, each stage's Hessians collected on the inputs the already-quantized model gives it
+    (earlier layers and stages quantized, their activations emulated). ``quantize(name, H)`` -> the
+    dequantized weight. Returns {name: dequantized weight}; the caller restores the float weights."""
+    import torch
+
+    fake = ACTS[act] if act else None
+    hooks, deq = [], {}
+    caught = _layer_inputs(model, calib, batch)
+    states, kwargs = [c[0] for c in caught], [c[1] for c in caught]
+    try:
+        for li, layer in enumerate(model.model.layers):
+            for stage in STAGES:
+                names = [f"model.layers.{li}.{rel}" for rel in stage]
+                sums: dict[str, torch.Tensor] = {}
+                count: dict[str, int] = {}
+
+                def observe(name):
+                    def fn(mod, args):
+                        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+                        sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
+                        count[name] = count.get(name, 0) + x.shape[0]
+                    return fn
+
+                obs = [linears[n].register_forward_pre_hook(observe(n)) for n in names]
+                try:
+                    with torch.no_grad():
+                        for st, kw in zip(states, kwargs):
+                            layer(st, **kw)
+                finally:
+                    for h in obs:
+                        h.remove()
+                for n in names:
+                    deq[n] = quantize(n, (sums[n] / count[n]).numpy())
+                    with torch.no_grad():
+                        linears[n].weight.copy_(torch.from_numpy(deq[n]))
+                    if fake:
+                        hooks.append(linears[n].register_forward_pre_hook(lambda mod, args: (fake(args[0]),)))
+            with torch.no_grad():
+                states = [layer(st, **kw) for st, kw in zip(states, kwargs)]
+            states = [st[0] if isinstance(st, tuple) else st for st in states]
+    finally:
+        for h in hooks:
+            h.remove()
+    return deq
+
+
 def perplexity(model, linears, data, act: str | None, batch: int) -> float:
     import torch
 
@@ -325,7 +409,8 @@ class Row:
 
 
 def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int | None = None,
-        calib_windows: int | None = None, gptq: GPTQConfig | None = None, batch: int = 4, log=print):
+        calib_windows: int | None = None, gptq: GPTQConfig | None = None, batch: int = 4, log=print,
+        sequential: bool = True):
     """Evaluate ``schemes`` (names of SCHEMES); returns a list of Row (float first)."""
     import torch
 
@@ -354,7 +439,11 @@ def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int 
         sc = BY_NAME[name]
         t = time.perf_counter()
         per = {}
-        if name != "float":
+        if name != "float" and sc.calibrated and sequential:
+            deqs[name] = quantize_sequential(
+                model, linears, calib,
+                lambda n, H: quantize_weight(sc, u16[n], PROJ[n.rsplit(".", 1)[-1]], H, gptq), sc.act, batch)
+        elif name != "float":
             deqs[name] = {}
             for lname, mod in linears.items():
                 role = PROJ[lname.rsplit(".", 1)[-1]]
@@ -407,6 +496,12 @@ def main(argv=None):
     ap.add_argument("--calib-windows", type=int, help="train windows for the Hessians (32; --quick 8)")
     ap.add_argument("--damp", type=float, default=GPTQConfig.damp)
     ap.add_argument("--no-act-order", action="store_true")
+    ap.add_argument("--clip-ratios", default=",".join(str(r) for r in GPTQConfig.clip_ratios),
+                    help="int grids: per-row scale ratios searched on the input-weighted error ('1': none)")
+    ap.add_argument("--clip-after", action="store_true", help="judge the ratios after GPTQ (x ratios the cost)")
+    ap.add_argument("--float-hessians", action="store_true",
+                    help="calibrated rows: every Hessian from the float model (default: sequential, as convert "
+                         "--calibrate: each layer's from the already-quantized layers before it)")
     ap.add_argument("--per-tensor", metavar="CSV", help="write the per-tensor errors of every scheme to CSV")
     args = ap.parse_args(argv)
     bad = missing_extra()
@@ -419,9 +514,11 @@ def main(argv=None):
     if unknown:
         print(f"bench_quality: unknown scheme(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}", file=sys.stderr)
         return 2
-    cfg = GPTQConfig(damp=args.damp, act_order=not args.no_act_order)
+    cfg = GPTQConfig(damp=args.damp, act_order=not args.no_act_order,
+                     clip_ratios=tuple(float(r) for r in args.clip_ratios.split(",") if r.strip()),
+                     clip_after=args.clip_after)
     rows = run(names, quick=args.quick, seq=args.seq, eval_windows=args.eval_windows,
-               calib_windows=args.calib_windows, gptq=cfg)
+               calib_windows=args.calib_windows, gptq=cfg, sequential=not args.float_hessians)
     print()
     print(table(rows))
     if args.per_tensor:

@@ -35,7 +35,8 @@ def _hessian(seed, K=256, n=2048):
 def test_identity_hessian_is_plain_rounding_with_the_same_scales(name, matmul):
     codec = get_codec(name)
     w = _weight(1)
-    for cfg in (GPTQConfig(guard=False), GPTQConfig(guard=False, act_order=False, block_size=7)):
+    for cfg in (GPTQConfig(guard=False, clip_ratios=()),
+                GPTQConfig(guard=False, act_order=False, block_size=7, clip_ratios=())):
         got = codec.quantize(w, matmul, hessian=np.eye(w.shape[1]), gptq=cfg)
         want = codec.quantize(w, matmul)
         assert got.keys() == want.keys()
@@ -106,11 +107,48 @@ def test_matches_textbook_gptq():
     w, H = _weight(8, N=32, K=128), _hessian(9, K=128)
     s = codec.quantize(w)["weight_scale"][:, 0].astype(np.float64)
     want = _textbook_gptq_int(w, H, s, -127, 127, 0.01)
-    got = codec.dequantize(codec.quantize(w, None, hessian=H, gptq=GPTQConfig(act_order=False, guard=False, block_size=32)))
+    got = codec.dequantize(codec.quantize(w, None, hessian=H, gptq=GPTQConfig(act_order=False, guard=False, block_size=32,
+                                                                                   clip_ratios=())))
     same = np.isclose(got, want, rtol=0, atol=1e-3 * s[:, None])
     assert same.mean() > 0.99, same.mean()  # float32 lazy blocks vs float64: a few ties may flip
     e_got, e_want = weighted_error(w, got, H).sum(), weighted_error(w, want, H).sum()
     assert abs(e_got - e_want) < 0.02 * e_want
+
+
+@pytest.mark.parametrize("name,matmul", [("W4A8_DYNAMIC", "down"), ("W4A8_DYNAMIC", "gate")])
+def test_clip_ratio_per_row_is_the_argmin_of_the_weighted_error(name, matmul):
+    """Each row's scale is r x the data-free scale for the r whose plain rounding has the smallest
+    tr(dW H dW^T) (numpy brute force); clipped rows do occur, and the search beats the codec's scale."""
+    codec = get_codec(name)
+    w, H = _weight(13), _hessian(14)
+    ratios = (1.0, 0.9, 0.8, 0.7)
+    q0 = codec.quantize(w, matmul)
+    s0 = q0["weight_scale"][:, 0]
+    lo, hi = -8, 7
+    errs = []
+    for r in ratios:
+        s = (s0 * np.float32(r)).astype(np.float32)
+        errs.append(weighted_error(w, np.clip(np.rint(w / s[:, None]), lo, hi) * s[:, None], H))
+    want = (s0[:, None] * np.asarray(ratios, np.float32)[None, :])[np.arange(len(s0)), np.argmin(errs, axis=0)]
+    got = codec.quantize(w, matmul, hessian=H, gptq=GPTQConfig(guard=False, clip_ratios=ratios))
+    np.testing.assert_array_equal(got["weight_scale"][:, 0], want.astype(np.float32))
+    assert (got["weight_scale"][:, 0] < s0).any()
+    plain = codec.quantize(w, matmul, hessian=H, gptq=GPTQConfig(guard=False, clip_ratios=()))
+    assert weighted_error(w, codec.dequantize(got), H).sum() < weighted_error(w, codec.dequantize(plain), H).sum()
+    after = codec.quantize(w, matmul, hessian=H, gptq=GPTQConfig(guard=False, clip_ratios=ratios, clip_after=True))
+    e_after = weighted_error(w, codec.dequantize(after), H).sum()  # every ratio through GPTQ: at least as good
+    assert e_after <= weighted_error(w, codec.dequantize(got), H).sum() * (1 + 1e-9)
+    with pytest.raises(ValueError, match="clip_ratios"):
+        GPTQConfig(clip_ratios=(1.0, 1.2))
+
+
+def test_int8_grids_are_not_clipped():
+    codec = get_codec("W8A8_DYNAMIC")
+    w, H = _weight(15), _hessian(16)
+    a = codec.quantize(w, None, hessian=H, gptq=GPTQConfig(clip_ratios=(1.0, 0.8)))
+    b = codec.quantize(w, None, hessian=H, gptq=GPTQConfig(clip_ratios=()))
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
 
 
 def test_bad_hessian_is_refused():

@@ -50,7 +50,6 @@ def test_mxfp4_not_worse_than_ocp_floor_rule(rows):
 def test_calibrated_not_worse_than_data_free(rows, scheme):
     cal, free = rows[f"{scheme}+gptq"], rows[scheme]
     assert cal.ppl <= free.ppl
+    # on the float model's Hessians (the diagnostic); GPTQ ran on the sequential ones (inputs from the
+    # quantized layers before), so its per-row guard holds on those: tests/test_gptq.py checks the guard
     assert cal.werr_gmean <= free.werr_gmean
-    # the guard: per tensor too (up to float32 rounding of the weights GPTQ wrote)
-    worse = [n for n in cal.per_tensor if cal.per_tensor[n][0] > free.per_tensor[n][0] * (1 + 1e-6)]
-    assert not worse, worse[:5]
