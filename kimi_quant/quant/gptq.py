@@ -51,7 +51,7 @@ class GPTQConfig:
     guard:      per row, keep the data-free codes when they have the smaller input-weighted error
                 (so the calibrated result never loses to the data-free one on H; one extra [N,K]x[K,K]
                 product).
-    clip_ratios: int4 grids only (per-channel or per-group scales; MX block scales are powers of two):
+    clip_ratios: int4 per-channel grids only (per-group scales must stay float16; MX block scales are powers of two):
                 candidate scales r x (the codec's scale), per row; the row keeps the ratio whose
                 input-weighted error tr(dW H dW^T) is smallest.  Clipping a row's largest weights costs
                 little on H when their inputs are quiet, and the finer step helps every other weight.
@@ -297,8 +297,10 @@ def _merge_grids(a: Grid, b: Grid, take: np.ndarray) -> Grid:
 
 def _clippable(g: Grid) -> bool:
     """int grids of at most 4 bits: int8's step is so fine that a clip judged before GPTQ can lose
-    after it (tests/test_gptq.py shows a case), and it has little rounding error to trade."""
-    return g.kind == "int" and g.qmax - g.qmin < 16
+    after it (tests/test_gptq.py shows a case), and it has little rounding error to trade. Per channel
+    only: a per-group scale must stay a float16 value (vLLM-Ascend rounds weight_scale x
+    weight_scale_second to float16 at load), and r x s is not one."""
+    return g.kind == "int" and g.qmax - g.qmin < 16 and g.scale.shape[1] == 1
 
 
 def _scaled(g: Grid, r: float) -> Grid:
