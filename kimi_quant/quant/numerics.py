@@ -183,13 +183,8 @@ def int4_group_scale(w: np.ndarray, group: int) -> np.ndarray:
     of the group), rounded up to float16 (up: rounding never makes it clip).  Groups of zeros get 1.0;
     nonzero groups at least 2^-24 (the smallest float16 step)."""
     N, K = w.shape
-    g = w.reshape(N * (K // group), group)
-    hi = np.maximum(g.max(axis=1), np.float32(0.0)).astype(np.float32)
-    lo = np.minimum(g.min(axis=1), np.float32(0.0)).astype(np.float32)
-    s = np.maximum(hi / np.float32(7.0), -lo / np.float32(8.0)).astype(np.float32)
-    nz = (hi > 0) | (lo < 0)
-    s = np.where(nz, np.maximum(fp16_ceil(np.where(nz, s, np.float32(1.0))), FP16_TINY), np.float32(1.0))
-    return s.astype(np.float32).reshape(N, K // group)
+    s = int4_scale(w.reshape(N * (K // group), group))
+    return np.maximum(fp16_ceil(s), FP16_TINY).reshape(N, K // group)
 
 
 def int4_group_codes(w: np.ndarray, s: np.ndarray) -> np.ndarray:
