@@ -51,8 +51,8 @@ class GPTQConfig:
     guard:      per row, keep the data-free codes when they have the smaller input-weighted error
                 (so the calibrated result never loses to the data-free one on H; one extra [N,K]x[K,K]
                 product).
-    clip_ratios: int4 per-channel grids only (per-group scales must stay float16; MX block scales are powers of two):
-                candidate scales r x (the codec's scale), per row; the row keeps the ratio whose
+    clip_ratios: int4 per-channel grids only (per-group scales must stay float16; MX block scales are
+                powers of two): candidate scales r x (the codec's scale), per row; the row keeps the ratio whose
                 input-weighted error tr(dW H dW^T) is smallest.  Clipping a row's largest weights costs
                 little on H when their inputs are quiet, and the finer step helps every other weight.
                 () or (1.0,): the codec's scale only.
@@ -314,8 +314,7 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, H, W64) -> Grid:
     [N, K] x [K, K] product per ratio: ~1.7 s each for a [3072, 3584] expert on one core."""
     best = None
     for grid in (g, *(_scaled(g, r) for r in ratios)):
-        s = np.repeat(grid.scale, grid.group, axis=1) if grid.group < w.shape[1] else grid.scale
-        codes = np.clip(np.rint(w / s), grid.qmin, grid.qmax)
+        codes = np.clip(np.rint(w / grid.scale), grid.qmin, grid.qmax)  # per channel (_clippable): scale [N, 1]
         err = _weighted_error_t(W64 - _torch_like(values_of(codes, grid), W64), H).cpu().numpy()
         if best is None:
             best = (err, grid)
