@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,12 @@ def kq(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.
     e.pop("KIMI_QUANT_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "kimi_quant.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**e, **(env or {})})
+
+
+def default_sigint() -> None:
+    """``preexec_fn`` for a child the tests Ctrl-C: SIGINT back to its default, as under a terminal. A test
+    run started in the background (``pytest &``) has SIGINT ignored, and Python keeps it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def kq_popen(*args: str, env: dict | None = None) -> subprocess.Popen:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOURNAL_NAME, error_line, kq, target_args
+from conftest import JOURNAL_NAME, default_sigint, error_line, kq, target_args
 
 PROVENANCE = "kimi_quant_provenance.json"
 VALIDATION = "kimi_quant_validation.json"
@@ -319,7 +319,7 @@ def test_ctrl_c_while_compiling_kernels_stops_at_once(tiny_source, tmp_path):
     env.pop("KIMI_QUANT_DEBUG", None)
     p = subprocess.Popen([sys.executable, "-m", "kimi_quant.cli", "convert", str(tiny_source), "-t", "a3", "-o",
                           str(tmp_path / "out"), "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, start_new_session=True)
+                         text=True, env=env, start_new_session=True, preexec_fn=default_sigint)
     time.sleep(2.0)  # planned and compiling (a cold compile takes 10 s or more)
     if p.poll() is not None:
         pytest.skip("finished before the interrupt")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (JOURNAL_NAME, assert_not_complete_looking, error_line, kq, looks_loadable, snapshot, target_args)
+from conftest import (JOURNAL_NAME, assert_not_complete_looking, default_sigint, error_line, kq, looks_loadable, snapshot, target_args)
 
 SHARD = "1MB"  # ~25-30 output shards: many units, so kills land mid-way
 
@@ -33,7 +33,7 @@ def popen(args) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("KIMI_QUANT_DEBUG", None)
     return subprocess.Popen([sys.executable, "-m", "kimi_quant.cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, preexec_fn=default_sigint)
 
 
 def kill_group(p: subprocess.Popen) -> None:
