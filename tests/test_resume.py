@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (JOURNAL_NAME, assert_not_complete_looking, default_sigint, error_line, kq, looks_loadable, snapshot, target_args)
+from conftest import (JOURNAL_NAME, assert_not_complete_looking, default_sigint, error_line, kq, looks_loadable,
+                      snapshot, target_args)
 
 SHARD = "1MB"  # ~25-30 output shards: many units, so kills land mid-way
 
