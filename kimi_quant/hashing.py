@@ -16,14 +16,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from .untrusted import check_identity
+
 CHUNK = 16 * 1024 * 1024
 
 
-def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None) -> str:
+def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None, identity: str | None = None) -> str:
     """sha256 of a file, hashed straight from an mmap (no copy), dropping pages as it goes;
-    ``progress(n)`` after each chunk of n bytes."""
+    ``progress(n)`` after each chunk of n bytes. ``identity``: refuse any file but the one vetted
+    (``untrusted.check_identity``)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        check_identity(f.fileno(), path, identity)
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return h.hexdigest()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from .errors import BadCheckpoint
@@ -31,6 +32,41 @@ def inside(path: str | Path, root: str | Path) -> bool:
     """Whether ``path``, with every symlink resolved, lies in ``root`` (also resolved)."""
     real, base = os.path.realpath(path), os.path.realpath(root)
     return real == base or real.startswith(base.rstrip("/") + "/")
+
+
+def file_identity(st: os.stat_result) -> str:
+    """Which file an open descriptor is (its ``fstat``): inode, size, mtime and ctime. Another file
+    put under the same name (a swap, a link re-pointed) differs in its inode; the same file
+    rewritten in place differs in its ctime. Stable across nodes mounting one shared filesystem."""
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def check_identity(fd: int, path: str | Path, expected: str | None) -> None:
+    """Refuse the open file ``fd`` (named ``path``) unless it is the file whose identity was
+    ``expected`` (None: nothing to check)."""
+    if expected is not None and file_identity(os.fstat(fd)) != expected:
+        raise BadCheckpoint(f"{path}: is not the file that was checked when this work was scheduled (replaced or "
+                            "re-pointed since); refusing to read it")
+
+
+def vetted_identity(path: str | Path, roots: list[Path]) -> str:
+    """``file_identity`` of the file ``path`` opens, refused (BadCheckpoint) unless that very file, as
+    opened, lies in one of ``roots``. Checking the name and then opening it leaves a window in
+    which the name can be pointed elsewhere; the descriptor's own path cannot be."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise BadCheckpoint(f"{path}: not found") from None
+    try:
+        real = os.path.realpath(f"/proc/self/fd/{fd}") if os.path.isdir("/proc/self/fd") else os.path.realpath(path)
+        if not any(inside(real, r) for r in roots):
+            raise BadCheckpoint(f"{path}: opens {real}, outside {', '.join(map(str, roots))}: refusing to read it")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise BadCheckpoint(f"{path}: not a regular file")
+        return file_identity(st)
+    finally:
+        os.close(fd)
 
 
 def unique_pairs(pairs):

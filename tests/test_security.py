@@ -650,3 +650,104 @@ def test_a_module_in_the_working_directory_is_never_imported(tiny_source, tmp_pa
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert not marker.exists(), f"imported from the working directory: {marker.read_text()}"
     assert r.returncode == 0, r.stderr
+
+
+# -- a source file re-pointed between the driver's check and a worker's open ------------------------------------
+def test_a_file_swapped_after_vetting_is_refused_by_reader_and_hasher(src, tmp_path):
+    from kimi_quant.errors import BadCheckpoint
+    from kimi_quant.hashing import sha256_file
+    from kimi_quant.untrusted import vetted_identity
+
+    shard = src / "model-00001-of-00004.safetensors"
+    ident = vetted_identity(shard, [src])
+    with SafetensorsReader(shard, ident) as r:  # the vetted file itself is read
+        assert r.tensors
+    assert sha256_file(shard, identity=ident)
+    decoy = tmp_path / "elsewhere" / shard.name
+    decoy.parent.mkdir()
+    decoy.write_bytes(shard.read_bytes())  # the same bytes: only the file's identity tells them apart
+    for swap in ("link", "rename"):
+        moved = tmp_path / f"moved-{swap}"
+        shard.rename(moved)
+        if swap == "link":
+            shard.symlink_to(decoy)
+        else:
+            os.link(decoy, shard)
+        for read in (lambda: SafetensorsReader(shard, ident), lambda: sha256_file(shard, identity=ident)):
+            with pytest.raises(BadCheckpoint, match="not the file that was checked .* refusing to read it"):
+                read()
+        shard.unlink()
+        moved.rename(shard)
+    # rewritten in place (same inode, same bytes): the ctime changed
+    time.sleep(0.01)
+    shard.write_bytes(shard.read_bytes())
+    with pytest.raises(BadCheckpoint, match="not the file that was checked"):
+        SafetensorsReader(shard, ident)
+    # and the driver's own check looks at the file the name opens, not at the name
+    shard.rename(tmp_path / "kept")
+    shard.symlink_to(decoy)
+    with pytest.raises(BadCheckpoint, match=f"opens {decoy}, outside {src}"):
+        vetted_identity(shard, [src])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_source_shard_re_pointed_mid_run_is_never_converted(src, tmp_path, monkeypatch, workers):
+    """The driver vets each source shard as it opens an output shard; a name pointed at another file
+    after that (here: an outside copy with the same bytes) is refused by the worker, in one line,
+    and no output shard is written from it."""
+    from kimi_quant.convert import ConvertOptions, convert as convert_api
+    from kimi_quant.executor import shards as sched
+
+    decoys = tmp_path / "outside"
+    decoys.mkdir()
+    real = sched.OpenShard
+
+    def open_then_swap(unit, *a, **kw):
+        shard = real(unit, *a, **kw)  # the driver has vetted unit.needs
+        for f in unit.needs:
+            p = src / f
+            if not p.is_symlink():
+                (decoys / f).write_bytes(p.read_bytes())
+                p.unlink()
+                p.symlink_to(decoys / f)
+        return shard
+
+    monkeypatch.setattr(sched, "OpenShard", open_then_swap)
+    out = tmp_path / "out"
+    with pytest.raises(KimiQuantError, match="is not the file that was checked when this work was scheduled"):
+        convert_api(str(src), ConvertOptions(target="a3", output=out, workers=workers, quiet=True))
+    assert not list(out.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("side", ["source", "quantized"])
+@pytest.mark.parametrize("how", ["dotdot", "link"])
+def test_validate_never_reads_a_shard_outside_the_directories_named(tmp_path, side, how):
+    """validate reads both checkpoints through their indexes: an index naming ``../x`` or a shard
+    that links out of its directory is refused in one line, like convert refuses it."""
+    from kimi_quant.model.synth import synth
+
+    src = synth("tiny", tmp_path / "src")  # the trained fixture: it ships a tokenizer, which validate needs
+    out = tmp_path / "out"
+    assert convert(src, out, "a3").returncode == 0
+    root = src if side == "source" else out
+    if side == "quantized":  # an ascendV1 folder from elsewhere: no journal, so no verify to catch it first
+        (out / JOURNAL_NAME).unlink()
+        (out / PROVENANCE).unlink()
+    index_name = INDEX if side == "source" else "quant_model_weights.safetensors.index.json"
+    index = json.loads((root / index_name).read_text())
+    victim = sorted(set(index["weight_map"].values()))[0]
+    outside = tmp_path / "outside" / victim
+    outside.parent.mkdir()
+    outside.write_bytes((root / victim).read_bytes())  # the same bytes, outside the directory
+    if how == "dotdot":  # the index points there (the file it replaces stays, so provenance still matches)
+        rel = os.path.relpath(outside, root)
+        index["weight_map"] = {k: (rel if v == victim else v) for k, v in index["weight_map"].items()}
+        (root / index_name).write_text(json.dumps(index))
+    else:
+        (root / victim).unlink()
+        (root / victim).symlink_to(outside)
+    r = kq("validate", str(src), str(out), "--max-tokens", "64", "--seq-len", "32")
+    assert r.returncode != 0
+    line = error_line(r.stderr)
+    assert "outside" in line or "not a file of the checkpoint" in line or "'..' component" in line, line
+    assert "Traceback" not in r.stderr

@@ -35,7 +35,9 @@ def test_lazy_report_equals_eager_and_pre_change_numbers(qdir):
     eager = run_validation(FIXTURE, q, max_tokens=450, seq_len=200, progress=False, lazy_experts=False)
     lazy.pop("wall_s"), eager.pop("wall_s")
     assert lazy == eager  # every float, bit for bit
-    assert lazy["ppl_bf16"] == pytest.approx(PPL_BF16_BEFORE, rel=1e-12, abs=0)
+    # against the number another machine computed: float32 sums there ran in another order (AVX-512
+    # there, AVX2 on some CI hosts: 2.7e-8 apart), so not to the bit
+    assert lazy["ppl_bf16"] == pytest.approx(PPL_BF16_BEFORE, rel=1e-6, abs=0)
 
 
 class _Tracking(Mapping):

@@ -183,7 +183,7 @@ class _SourceWeights(WeightLoader):
     def _reader(self, file: str) -> SafetensorsReader:
         r = self._readers.get(file)
         if r is None:
-            r = self._readers[file] = SafetensorsReader(self._source.fetch(file))
+            r = self._readers[file] = SafetensorsReader(*self._source.fetch_vetted(file))
         return r
 
     def drop(self, file: str) -> None:

@@ -63,7 +63,7 @@ class OpenShard:
     were split; nothing is read back), else it is split into parts of about ``part_bytes``."""
 
     def __init__(self, unit: UnitPlan, out_dir: Path, paths: dict[str, str], part_bytes: int, hash_here: bool,
-                 whole: bool = False):
+                 whole: bool = False, identities: dict[str, str] | None = None):
         self.unit, self.paths, self.whole = unit, paths, whole
         entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
         self.assembly = ShardAssembly(out_dir / unit.file, entries, hash_here=hash_here and not whole)
@@ -71,12 +71,13 @@ class OpenShard:
         self.jobs: deque[dict] = deque()
         for i, tensors in enumerate([unit.tensors] if whole else split(unit.tensors, part_bytes)):
             names = [name for t in tensors for name, _, _ in t.outputs]
+            needs = sorted({t.file for t in tensors})
             start = offsets[names[0]] if names else 0
             end = start + sum(t.out_bytes for t in tensors)
             self.jobs.append({"file": unit.file, "part": i, "partial": self.assembly.tmp.name,
                               "tensors": [t.to_json() for t in tensors], "whole": whole,
                               "offsets": {n: offsets[n] for n in names}, "span": [start, end],
-                              "needs": sorted({t.file for t in tensors})})
+                              "needs": needs, "identities": {f: identities[f] for f in needs} if identities else {}})
         self.parts_left = len(self.jobs)
 
     def finish_job(self) -> dict:
@@ -130,8 +131,10 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
                         break  # nothing left, or its source shards would overflow staging: wait for releases
                     whole = len(pending) >= executor.slots  # enough shards left to keep every worker busy
                     unit = pending.popleft()
-                    paths = {f: str(source.fetch(f)) for f in unit.needs}
-                    shard = OpenShard(unit, out_dir, paths, part_bytes, hash_here, whole=whole)
+                    vetted = {f: source.fetch_vetted(f) for f in unit.needs}
+                    paths = {f: str(path) for f, (path, _) in vetted.items()}
+                    shard = OpenShard(unit, out_dir, paths, part_bytes, hash_here, whole=whole,
+                                      identities={f: ident for f, (_, ident) in vetted.items()})
                     opened.append(shard)
                     if shard.jobs:
                         feeding.append(shard)

@@ -64,7 +64,8 @@ def job_key(job: dict) -> str:
 def _hash_inputs(job: dict, paths: dict[str, str]) -> dict[str, str]:
     """sha256 of the source files ``job["hash_inputs"]`` names, for the provenance: each file is given
     to one job, so hashing spreads over the workers instead of queueing on the driver."""
-    return {f: sha256_file(paths[f]) for f in job.get("hash_inputs") or []}
+    identities = job.get("identities") or {}
+    return {f: sha256_file(paths[f], identity=identities.get(f)) for f in job.get("hash_inputs") or []}
 
 
 def convert_part(job: dict, paths: dict[str, str], out_dir: str,
@@ -79,7 +80,7 @@ def convert_part(job: dict, paths: dict[str, str], out_dir: str,
     writer = PartWriter(Path(out_dir) / job["partial"], job["offsets"], entries, job["file"], whole=whole)
     res = {"file": job["file"], "part": job["part"]}
     try:
-        _convert_tensors(tensors, paths, writer, progress)
+        _convert_tensors(tensors, paths, writer, progress, job.get("identities"))
         if whole:
             res["size"], res["sha256"] = writer.commit()
         else:
@@ -107,13 +108,14 @@ def convert_unit(unit: dict | UnitPlan, paths: dict[str, str], out_dir: str,
 
 
 def _convert_tensors(tensors: list[TensorPlan], paths: dict[str, str], writer,
-                     progress: Callable[[int], None] | None) -> None:
-    """Quantize (or copy) ``tensors`` in order into ``writer`` (a ShardWriter or a PartWriter)."""
+                     progress: Callable[[int], None] | None, identities: dict[str, str] | None = None) -> None:
+    """Quantize (or copy) ``tensors`` in order into ``writer`` (a ShardWriter or a PartWriter);
+    ``identities``: the source files the driver vetted (any other file under those names is refused)."""
     readers: dict[str, SafetensorsReader] = {}
     try:
         for t in tensors:
             if t.file not in readers:
-                readers[t.file] = SafetensorsReader(paths[t.file])
+                readers[t.file] = SafetensorsReader(paths[t.file], (identities or {}).get(t.file))
             write_tensor(writer, readers[t.file], t)
             if progress:
                 progress(t.in_bytes)

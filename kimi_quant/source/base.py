@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadCheckpoint
-from ..untrusted import parse_json, unsafe_name
+from ..untrusted import parse_json, unsafe_name, vetted_identity
 from .safetensors import TensorInfo
 
 WEIGHT_INDEX = "model.safetensors.index.json"
@@ -56,6 +56,17 @@ class Source:
     def fetch(self, name: str) -> Path:
         """A local path to shard ``name``, complete and verified; blocks until it is."""
         raise NotImplementedError
+
+    def roots(self) -> list[Path]:
+        """The directories a fetched shard may lie in (links resolved)."""
+        raise NotImplementedError
+
+    def fetch_vetted(self, name: str) -> tuple[Path, str]:
+        """``fetch(name)`` and the identity (``untrusted.file_identity``) of the file that path opens,
+        taken from an open descriptor checked to lie in ``roots()``: a worker that opens the path
+        later refuses any other file (a name re-pointed after this check)."""
+        path = self.fetch(name)
+        return path, vetted_identity(path, self.roots())
 
     def release(self, name: str) -> None:
         """Every output that needs ``name`` is written; a staging copy may be deleted."""

@@ -643,6 +643,9 @@ class HubSource(Source):
             self._state[name] = "ready"
             self._cv.notify_all()
 
+    def roots(self) -> list[Path]:
+        return [self.work_dir]
+
     def fetch(self, name: str) -> Path:
         self._claim_work_dir()
         self.entry(name)

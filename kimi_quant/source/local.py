@@ -63,6 +63,9 @@ class LocalSource(Source):
             self._headers[name] = read_header(path)[0]
         return self._headers[name]
 
+    def roots(self) -> list[Path]:
+        return [self.root] + ([self._blobs] if self._blobs is not None else [])
+
     def fetch(self, name: str) -> Path:
         path = self._path(name)
         if not path.exists():

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..dtypes import STORAGE, nbytes
 from ..errors import BadCheckpoint
-from ..untrusted import DuplicateKey, unique_pairs
+from ..untrusted import DuplicateKey, check_identity, unique_pairs
 
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 
@@ -118,13 +118,15 @@ class SafetensorsReader:
     stays bounded by the tensor in flight rather than growing with the shard.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, identity: str | None = None):
+        """``identity``: the ``untrusted.file_identity`` the driver vetted; any other file is refused."""
         self.path = Path(path)
         try:
             self._file = open(self.path, "rb")
         except FileNotFoundError:
             raise BadCheckpoint(f"{self.path}: file not found") from None
         try:
+            check_identity(self._file.fileno(), self.path, identity)
             self.tensors, self.metadata = read_header_of(self._file, self.path)
         except BaseException:
             self._file.close()

@@ -25,7 +25,9 @@ import torch
 from ..dtypes import to_f32
 from ..errors import BadCheckpoint, KimiQuantError
 from ..model.spec import ModelSpec, load_model_spec
+from ..source.local import LocalSource
 from ..source.safetensors import SafetensorsReader
+from ..untrusted import parse_json
 from .forward import check_supported
 
 QUANT_DESCRIPTION = "quant_model_description.json"
@@ -94,6 +96,7 @@ class WeightLoader:
         self.root = Path(root)
         if not self.root.is_dir():
             raise KimiQuantError(f"{self.root}: not a directory")
+        self._files = LocalSource(self.root)
         self.spec = load_model_spec(self.root)
         check_supported(self.spec.text)  # before any tensor is read: a setting the forward would ignore
         self._readers: dict[str, SafetensorsReader] = {}
@@ -106,10 +109,9 @@ class WeightLoader:
     def _reader(self, file: str) -> SafetensorsReader:
         r = self._readers.get(file)
         if r is None:
-            path = self.root / file
-            if not path.exists():
-                raise BadCheckpoint(f"{path}: named in the index but missing")
-            r = self._readers[file] = SafetensorsReader(path)
+            # the index is input we did not write: its names go through the source's checks (no '..', no
+            # link out of the directory), and the file opened is the one checked
+            r = self._readers[file] = SafetensorsReader(*self._files.fetch_vetted(file))
         return r
 
     def _file_of(self, name: str) -> str:
@@ -205,11 +207,13 @@ class WeightLoader:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
         raise KimiQuantError(f"{path}: not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadCheckpoint(f"{path}: not valid JSON ({e})") from None
+    out = parse_json(data, str(path), unique_keys=True)
+    if not isinstance(out, dict):
+        raise BadCheckpoint(f"{path}: expected a JSON object, got a {type(out).__name__}")
+    return out
 
 
 class SourceLoader(WeightLoader):
