@@ -329,7 +329,7 @@ def quantize_sequential(model, linears, calib, quantize, act: str | None, batch:
     dequantized weight. Returns {name: dequantized weight}; the caller restores the float weights.
 
     As convert's ``HessianCollector`` and forward: Linears fed the same tensor (q/k/v, gate/up) share
-    one float64 accumulator (the product is formed once), and a stage's observing pass stops once its
+    one float64 accumulator (the product is formed once, in float32), and a stage's observing pass stops once its
     last Linear has seen its input (the attention stage does not run the MLP; convert runs the
     attention and the MLP as separate passes)."""
     import torch
@@ -353,9 +353,10 @@ def quantize_sequential(model, linears, calib, quantize, act: str | None, batch:
                         if last[0] is x0:  # same input object as the Linear just before (q/k/v, gate/up)
                             key[name] = last[1]
                         else:
-                            x = x0.detach().reshape(-1, x0.shape[-1]).to(torch.float64)
+                            x = x0.detach().reshape(-1, x0.shape[-1]).to(torch.float32)
+                            xx = (x.T @ x).to(torch.float64)  # as HessianCollector: float32 product, float64 sum
                             k = key.setdefault(name, name)
-                            sums[k] = sums[k] + x.T @ x if k in sums else x.T @ x
+                            sums[k] = sums[k] + xx if k in sums else xx
                             count[k] = count.get(k, 0) + x.shape[0]
                             last[:] = [x0, k]
                         if stop:
