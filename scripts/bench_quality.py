@@ -532,6 +532,9 @@ def main(argv=None):
     ap.add_argument("--clip-ratios", default=",".join(str(r) for r in GPTQConfig.clip_ratios),
                     help="int grids: per-row scale ratios searched on the input-weighted error ('1': none)")
     ap.add_argument("--clip-after", action="store_true", help="judge the ratios after GPTQ (x ratios the cost)")
+    ap.add_argument("--mx-exponents", choices=("sse", "hessian", "both"), default=GPTQConfig.mx_exponents,
+                    help="calibrated MX rows: per-block exponent by squared error (the data-free rule), by the "
+                         "block's input-weighted error, or both grids through GPTQ")
     ap.add_argument("--float-hessians", action="store_true",
                     help="calibrated rows: every Hessian from the float model (default: sequential, as convert "
                          "--calibrate: each layer's from the already-quantized layers before it)")
@@ -549,7 +552,7 @@ def main(argv=None):
         return 2
     cfg = GPTQConfig(damp=args.damp, act_order=not args.no_act_order,
                      clip_ratios=tuple(float(r) for r in args.clip_ratios.split(",") if r.strip()),
-                     clip_after=args.clip_after)
+                     clip_after=args.clip_after, mx_exponents=args.mx_exponents)
     rows = run(names, quick=args.quick, seq=args.seq, eval_windows=args.eval_windows,
                calib_windows=args.calib_windows, gptq=cfg, sequential=not args.float_hessians)
     print()

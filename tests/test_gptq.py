@@ -247,3 +247,39 @@ def test_factor_reuse_only_for_an_equal_hessian():
         assert np.array_equal(again1[k], fresh1[k]), k
         assert np.array_equal(after[k], fresh2[k]), k
     assert any(not np.array_equal(fresh1[k], fresh2[k]) for k in fresh1)
+
+
+@pytest.mark.parametrize("name,elem", [("W4A8_MXFP", "e2m1"), ("W8A8_MXFP8", "e4m3")])
+def test_mx_exponents_judged_on_the_hessian(name, elem):
+    """mx_exponents="hessian" picks, per block, the exponent (OCP or one above) whose plain rounding
+    has the smaller d_b H_bb d_b^T: with H = I that is the data-free squared-error rule, byte for
+    byte; on a real H each block's choice beats the other candidate; "both" never loses to "sse" per row."""
+    from kimi_quant.quant import gptq as G
+
+    codec = get_codec(name)
+    w, H = _weight(25), _hessian(26)
+    free = codec.quantize(w)
+    assert np.array_equal(G._mx_grid_on_h(w, elem, np.eye(w.shape[1])).scale_bytes, free["weight_scale"])
+    g = G._mx_grid_on_h(w, elem, H)
+    e = g.scale_bytes.astype(int) - 127
+    emax = nm.MX_ELEMENTS[elem][0]
+    for n, b in [(0, 0), (5, 3), (17, 7), (40, 2)]:
+        blk = w[n, 32 * b:32 * b + 32]
+        E = int(np.floor(np.log2(np.abs(blk).max())))
+        assert e[n, b] in (E - emax, E - emax + 1)
+        Hb = H[32 * b:32 * b + 32, 32 * b:32 * b + 32]
+
+        def err(x):
+            q = nm.MX_ELEMENTS[elem][1](np.abs(blk) / np.float32(2.0 ** x))[1] * np.float32(2.0 ** x)
+            d = blk - np.sign(blk) * q
+            return d @ Hb @ d
+
+        other = (E - emax) if e[n, b] == E - emax + 1 else (E - emax + 1)
+        assert err(e[n, b]) <= err(other) * (1 + 1e-9)
+    sse = codec.quantize(w, None, hessian=H, gptq=GPTQConfig(guard=False))
+    both = codec.quantize(w, None, hessian=H, gptq=GPTQConfig(guard=False, mx_exponents="both"))
+    e_sse = weighted_error(w, codec.dequantize(sse), H)
+    e_both = weighted_error(w, codec.dequantize(both), H)
+    assert (e_both <= e_sse * (1 + 1e-9)).all()
+    with pytest.raises(ValueError, match="mx_exponents"):
+        GPTQConfig(mx_exponents="best")

@@ -58,6 +58,10 @@ class GPTQConfig:
                 () or (1.0,): the codec's scale only.
     clip_after: judge the ratios after GPTQ (every ratio runs GPTQ: len(clip_ratios) x the cost)
                 instead of on plain rounding before it (one GPTQ run, the default).
+    mx_exponents: MX grids only: "sse" (the data-free rule's per-block exponent: OCP or one above, by
+                block squared error), "hessian" (the same two candidates judged per block on the block's
+                diagonal 32 x 32 part of H: d_b H_bb d_b^T of plain rounding), or "both" (each grid runs
+                GPTQ, every row keeps the better; 2x the cost).
     """
 
     damp: float = 0.01
@@ -67,6 +71,7 @@ class GPTQConfig:
     guard: bool = True
     clip_ratios: tuple = CLIP_RATIOS
     clip_after: bool = False
+    mx_exponents: str = "sse"
 
     def __post_init__(self):
         if not (0.0 <= self.damp < 10.0) or self.damp != self.damp:
@@ -75,6 +80,8 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.block_size must be a positive integer, got {self.block_size}")
         if not all(0.0 < float(r) <= 1.0 for r in self.clip_ratios):
             raise ValueError(f"GPTQConfig.clip_ratios must lie in (0, 1], got {self.clip_ratios}")
+        if self.mx_exponents not in ("sse", "hessian", "both"):
+            raise ValueError(f"GPTQConfig.mx_exponents must be sse, hessian or both, got {self.mx_exponents!r}")
         if self.device not in DEVICES:
             raise ValueError(f"GPTQConfig.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
@@ -393,6 +400,10 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     perm, Uinv = _factor(hessian, K, cfg, dev)
     judge = _Judge(w, hessian, dev)
     grids = list(codec.gptq_grids(w, matmul))
+    if cfg.mx_exponents != "sse":
+        mx = [g for g in grids if g.kind in ("e2m1", "e4m3")]
+        on_h = [_mx_grid_on_h(w, g.kind, judge.hessian) for g in mx]
+        grids = (on_h + [g for g in grids if all(g is not m for m in mx)]) if cfg.mx_exponents == "hessian" else grids + on_h
     ratios = tuple(float(r) for r in cfg.clip_ratios if float(r) != 1.0)
     known = []  # (grid, codes, float32 error) of plain roundings judged by the clip search
     if ratios:  # int grids: the codec's scale and the clipped ones, judged on H (per row)
@@ -470,3 +481,31 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list) -> 
         if take.any():
             out = _merge_grids(out, grids[i], take)
     return out
+
+
+def _mx_grid_on_h(w: np.ndarray, elem: str, hessian: np.ndarray) -> Grid:
+    """The MX grid whose per-block exponent (the OCP rule e0, or e0 + 1, as the data-free rule) is chosen
+    by the block's input-weighted error of plain rounding, d_b H_bb d_b^T with H_bb the block's 32 x 32
+    diagonal part of H (ties and all-zero blocks: the OCP rule)."""
+    emax, round_fn, _ = nm.MX_ELEMENTS[elem]
+    N, K = w.shape
+    b = nm.mx_blocks(w)
+    a = np.abs(b)
+    amax = a.max(axis=2)
+    nz = amax > 0
+    E = np.where(nz, nm.floor_log2(np.where(nz, amax, 1.0).astype(np.float32)), 0)
+    e0 = np.maximum(E - emax, nm.MX_EMIN)
+    e1 = np.maximum(E - emax + 1, nm.MX_EMIN)
+    nb = K // nm.BLOCK
+    idx = np.arange(nb)
+    Hb = np.asarray(hessian, np.float64).reshape(nb, nm.BLOCK, nb, nm.BLOCK)[idx, :, idx, :]  # [nb, 32, 32]
+    errs = []
+    for e in (e0, e1):
+        y = a * nm.pow2_f32(-e)[..., None]
+        _, v = round_fn(y)
+        d = np.where(b < 0, -1.0, 1.0) * (y.astype(np.float64) - v) * nm.pow2_f32(e).astype(np.float64)[..., None]
+        errs.append(np.einsum("nbi,bij,nbj->nb", d, Hb, d))
+    use1 = nz & (e1 != e0) & (errs[1] < errs[0])
+    e = np.where(use1, e1, e0)
+    scale = np.where(nz, e + nm.E8M0_BIAS, nm.E8M0_ZERO_BLOCK).astype(np.uint8)
+    return Grid(nm.e8m0_to_f32(scale), nm.BLOCK, elem, scale_bytes=scale)
