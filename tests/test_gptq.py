@@ -247,6 +247,16 @@ def test_factor_reuse_only_for_an_equal_hessian():
         assert np.array_equal(again1[k], fresh1[k]), k
         assert np.array_equal(after[k], fresh2[k]), k
     assert any(not np.array_equal(fresh1[k], fresh2[k]) for k in fresh1)
+    assert G._LAST_FACTOR  # K = 256: kept
+
+
+def test_large_factors_are_not_kept(monkeypatch):
+    from kimi_quant.quant import gptq as G
+
+    monkeypatch.setattr(G, "KEEP_FACTOR_MAX_K", 128)
+    G._LAST_FACTOR.clear()
+    get_codec("W4A8_DYNAMIC").quantize(_weight(27), "up", hessian=_hessian(28))
+    assert not G._LAST_FACTOR
 
 
 @pytest.mark.parametrize("name,elem", [("W4A8_MXFP", "e2m1"), ("W8A8_MXFP8", "e4m3")])

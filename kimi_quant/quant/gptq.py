@@ -20,7 +20,8 @@ shared algorithm (``gptq_codes``), the per-row guard and ``GPTQConfig``.  Every 
 * ``encode(codes, grid, matmul)``: the codes on that grid -> the on-disk tensors.
 
 Determinism: the same input, config, torch build and thread count give the same bytes (the CPU path
-runs fixed-order float32/float64 torch ops; ``act_order`` sorts with a stable sort).
+runs fixed-order float32/float64 torch ops and a numba kernel without fastmath; ``act_order`` sorts
+with a stable sort; choices between candidates are float64 argmins, see ``_Judge``).
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ def _inverse_cholesky(H):
     K = H.shape[0]
     mean = float(torch.diagonal(H).mean())
     extra = 0.0
-    R = H.flip(0).flip(1)
+    R = H.flip((0, 1))
     for _ in range(8):
         A = R if extra == 0.0 else R + torch.eye(K, dtype=H.dtype, device=H.device) * extra
         L, info = torch.linalg.cholesky_ex(A)
@@ -190,7 +191,7 @@ def _inverse_cholesky(H):
             Li = torch.linalg.solve_triangular(L.to(torch.float32), torch.eye(K, dtype=torch.float32, device=H.device),
                                                upper=False)
             if bool(torch.isfinite(Li).all()):
-                return Li.flip(0).flip(1).contiguous()
+                return Li.flip((0, 1))
         extra = mean * (1e-3 if extra == 0.0 else 10.0 * extra / mean)
     raise ValueError("hessian is not positive semi-definite (Cholesky failed even with extra dampening)")
 
@@ -355,19 +356,25 @@ class _Judge:
         return best, emin
 
 
-_LAST_FACTOR: list = []  # [(hessian copy, damp, act_order, device), (perm, Uinv)]: Linears sharing one H
+_LAST_FACTOR: list = []  # [(key, (perm, Uinv))]: the last factor, for Linears sharing one H
+#: largest K whose factor is kept after the call (K^2 x 4 B: 256 MiB); larger ones (a dense MLP's
+#: down projection, K ~ 34k) are not held past their own call
+KEEP_FACTOR_MAX_K = 8192
 
 
 def _factor(hessian, K: int, cfg: GPTQConfig, dev):
     """(act-order permutation or None, upper Cholesky factor of the permuted prepared H^-1).  The last
-    one is kept: Linears fed the same input (q/k/v, gate/up) come one after another with equal H."""
+    one is kept (keyed by a BLAKE2b digest of H's bytes, no copy): Linears fed the same input (q/k/v,
+    gate/up) come one after another with equal H."""
+    import hashlib
+
     import torch
 
-    key = (cfg.damp, cfg.act_order, str(dev))
-    last = _LAST_FACTOR[0] if _LAST_FACTOR else None
-    h = np.asarray(hessian)
-    if last is not None and last[0][1:] == key and last[0][0].shape == h.shape and np.array_equal(last[0][0], h):
-        return last[1]
+    h = np.ascontiguousarray(hessian, dtype=np.float64)
+    key = (hashlib.blake2b(h.data, digest_size=32).digest(), h.shape, cfg.damp, cfg.act_order, str(dev))
+    if _LAST_FACTOR and _LAST_FACTOR[0][0] == key:
+        return _LAST_FACTOR[0][1]
+    _LAST_FACTOR.clear()
     H = _prepare_hessian(h, K, cfg.damp, dev)
     perm = None
     if cfg.act_order:
@@ -375,7 +382,8 @@ def _factor(hessian, K: int, cfg: GPTQConfig, dev):
         perm = torch.sort(torch.diagonal(H), descending=True, stable=True).indices
         H = H[perm][:, perm]
     out = (perm, _inverse_cholesky(H))
-    _LAST_FACTOR[:] = [((h.copy(), *key), out)]
+    if K <= KEEP_FACTOR_MAX_K:
+        _LAST_FACTOR.append((key, out))
     return out
 
 
