@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from kimi_quant.quant import get_codec, warmup  # noqa: E402
+from kimi_quant.quant import gptq  # noqa: E402
 from kimi_quant.quant.gptq import GPTQConfig  # noqa: E402
 
 ROLES = {"W4A8_DYNAMIC": "down", "W8A8_DYNAMIC": None, "W4A8_MXFP": None, "W8A8_MXFP8": None}
@@ -61,6 +62,7 @@ def main():
         times = []
         for c in (cfg, replace(cfg, guard=False), replace(cfg, guard=False, act_order=False),
                   replace(cfg, clip_ratios=())):
+            gptq._LAST_FACTOR.clear()  # each call pays its own H^-1 factor (the kept one is for q/k/v sharing one H)
             t = time.process_time()
             codec.quantize(w, mm, hessian=H, gptq=c)
             times.append(time.process_time() - t)

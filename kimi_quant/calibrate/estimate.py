@@ -125,7 +125,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
         R, I = t.latent_size, t.moe_intermediate_size
         per_expert[scheme] = a * R + b * (I * R * R + R ** 3)  # one [I, R] expert matrix (w1 / w3)
     fwd_s = flops_fwd * T / fp32
-    hess_s = flops_h * T / fp64
+    hess_s = flops_h * T / fp32  # x^T x is formed in float32 (calibrate.hessian), summed in float64
     core_s = fwd_s + hess_s + gptq_s
     return {"hours": core_s / max(1, workers) / 3600, "core_hours": core_s / 3600, "workers": workers,
             "forward_core_h": fwd_s / 3600, "hessian_core_h": hess_s / 3600, "gptq_core_h": gptq_s / 3600,

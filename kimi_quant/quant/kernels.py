@@ -599,6 +599,38 @@ def mxfp8_kernel(w, codes_out, scale_out, margin=MX_SCREEN_MARGIN):
     return _mx_kernel(w, codes_out, scale_out, 8, True, margin)
 
 
+@njit(cache=True)
+def gptq_int_block(WT, ST, U1, qmin, qmax, CT, ET):
+    """GPTQ's inner loop over one lazy block on an int grid (``gptq.gptq_codes``), transposed so that
+    each step runs over all rows at once (contiguous, vectorised).
+
+    WT float32 [B, N]: the block's weights (column i of the block is row i here), already updated by
+    earlier blocks (overwritten); ST float32 [B, N]: the scales; U1 float32 [B, B]: the block of the
+    upper Cholesky factor of H^-1.  Column i: c = clip(rint(w / s), qmin, qmax) (float32 division,
+    half to even), e = (w - c * s) / U1[i, i], then w_j -= e * U1[i, j] for the later columns j.
+    Writes the codes to CT and the scaled errors e to ET (float32 [B, N]).  The same float32
+    operations per element as the torch loop (no fastmath: no fused multiply-add, no reordering), so
+    the codes come out identical."""
+    B, N = WT.shape
+    for i in range(B):
+        wi = WT[i]
+        si = ST[i]
+        ci = CT[i]
+        ei = ET[i]
+        d = U1[i, i]
+        for n in range(N):
+            x = wi[n]
+            s = si[n]
+            c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
+            ci[n] = c
+            ei[n] = np.float32(np.float32(x - np.float32(c * s)) / d)
+        for j in range(i + 1, B):
+            u = U1[i, j]
+            wj = WT[j]
+            for n in range(N):
+                wj[n] = np.float32(wj[n] - np.float32(ei[n] * u))
+
+
 def warmup() -> None:
     """Compile (or load from the numba cache) every kernel on a tiny input."""
     w0 = np.zeros((2, 32), dtype=np.uint16)
@@ -616,3 +648,5 @@ def _warm(w) -> None:
                           np.empty((2, chunks), np.float32))
     mxfp4_kernel(w, np.empty((2, 16), np.uint8), np.empty((2, 1), np.uint8))
     mxfp8_kernel(w, np.empty((2, 32), np.uint8), np.empty((2, 1), np.uint8))
+    f = np.ones((2, 2), np.float32)
+    gptq_int_block(f.copy(), f, f, np.float32(-8), np.float32(7), f.copy(), f.copy())
