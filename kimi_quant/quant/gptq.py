@@ -436,13 +436,22 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
         return codec.encode(cands[0][1], cands[0][0], matmul)
     best, _ = judge.choose([e for _, _, e in cands],
                            [lambda rows, g=g, c=c: values_of(c[rows], _rows(g, rows)) for g, c, _ in cands])
-    grid, codes = cands[0][0], cands[0][1]
+    codes = cands[0][1]
     for i in range(1, len(cands)):
         take = best == i
         if take.any():
             codes = np.where(take[:, None], cands[i][1], codes)
-            grid = _merge_grids(grid, cands[i][0], take)
-    return codec.encode(codes, grid, matmul)
+    return codec.encode(codes, _pick_rows(best, [g for g, _, _ in cands]), matmul)
+
+
+def _pick_rows(best: np.ndarray, grids: list) -> Grid:
+    """The grid whose row n is ``grids[best[n]]``'s row n."""
+    out = grids[0]
+    for i in range(1, len(grids)):
+        take = best == i
+        if take.any():
+            out = _merge_grids(out, grids[i], take)
+    return out
 
 
 def _merge_grids(a: Grid, b: Grid, take: np.ndarray) -> Grid:
@@ -483,12 +492,7 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list) -> 
         if i == 0:
             known.append((g, codes.astype(np.int8), errs[0]))
     best, _ = judge.choose(errs, [lambda rows, gr=gr: values_of(plain(gr, rows), _rows(gr, rows)) for gr in grids])
-    out = grids[0]
-    for i in range(1, len(grids)):
-        take = best == i
-        if take.any():
-            out = _merge_grids(out, grids[i], take)
-    return out
+    return _pick_rows(best, grids)
 
 
 def _mx_grid_on_h(w: np.ndarray, elem: str, hessian: np.ndarray) -> Grid:

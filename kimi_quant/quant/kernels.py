@@ -632,7 +632,9 @@ def gptq_int_block(WT, ST, U1, qmin, qmax, CT, ET):
 
 
 def warmup() -> None:
-    """Compile (or load from the numba cache) every kernel on a tiny input."""
+    """Compile (or load from the numba cache) every conversion kernel on a tiny input. Not
+    ``gptq_int_block``: it runs only on the calibrated path, in the driver, which loads it on first
+    use; warming it here cost every conversion's workers a load (~1 s compile on a cold cache)."""
     w0 = np.zeros((2, 32), dtype=np.uint16)
     w1 = w0.copy()
     w1.setflags(write=False)  # the converter passes read-only mmap views: a separate numba signature
@@ -648,5 +650,3 @@ def _warm(w) -> None:
                           np.empty((2, chunks), np.float32))
     mxfp4_kernel(w, np.empty((2, 16), np.uint8), np.empty((2, 1), np.uint8))
     mxfp8_kernel(w, np.empty((2, 32), np.uint8), np.empty((2, 1), np.uint8))
-    f = np.ones((2, 2), np.float32)
-    gptq_int_block(f.copy(), f, f, np.float32(-8), np.float32(7), f.copy(), f.copy())
