@@ -18,6 +18,7 @@ import click
 
 from . import __version__
 from .errors import KimiQuantError, ValidationFailed
+from .executor.fork_server import default_workers, start_fork_server
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -466,6 +467,10 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     tokens routed to them); the output format is the same. It runs layer by layer in this process
     (resumable per layer) and needs the source's tokenizer.
     """
+    if executor == "local" and not calibrate and (workers or default_workers()) > 1:
+        # the workers' start-up (about a second of one core: numba, the kernels) runs while this
+        # process imports numpy and plans; convert's executor then finds the server running
+        start_fork_server()
     from .convert import ConvertOptions, convert as run_convert
     from .targets import resolve_target
 

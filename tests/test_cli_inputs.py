@@ -307,3 +307,16 @@ def test_validate_refuses_a_source_that_is_not_the_outputs_and_warns_on_an_impla
     assert r.returncode == 0, r.stderr
     assert re.search(rf"kimi-quant: warning: a perplexity ratio of 0\.\d+ is implausible for a faithful "
                      rf"quantization: is {re.escape(str(zeroed))} the checkpoint", r.stderr), r.stderr
+
+
+def test_cli_imports_nothing_heavy():
+    """`kimi-quant convert` starts its workers' fork server (about a second of one core: numba, the
+    kernels) before the driver imports numpy and plans; that is only a head start while the CLI module
+    itself imports none of numpy, numba, torch or the hub client."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kimi_quant.cli; "
+            "print(sorted(m for m in ('numpy', 'numba', 'torch', 'huggingface_hub') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

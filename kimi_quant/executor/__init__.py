@@ -6,8 +6,17 @@ the driver created; ``unit.convert_unit`` (a whole shard, file and all) is there
 An executor has ``slots`` (jobs that run at once), ``submit(job_json, paths, out_dir)`` returning
 a ``concurrent.futures.Future`` of the job's result dict (``unit.run_job``), and ``shutdown(abort)``.
 Progress (bytes of input done) goes to the ``on_progress`` callback given at construction.
+
+Imports are lazy: ``kimi-quant convert`` starts the fork server (``fork_server``) before the driver
+imports numpy.
 """
 
-from .local import LocalExecutor, make_executor
-
 __all__ = ["LocalExecutor", "make_executor"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from . import local
+
+        return getattr(local, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

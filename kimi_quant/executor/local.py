@@ -11,10 +11,8 @@ With ``workers=1`` units run in the driver process itself (no start-up cost, eas
 
 from __future__ import annotations
 
-import multiprocessing as mp
-from multiprocessing import forkserver
-import os
 import contextlib
+import os
 import queue
 import select
 import signal
@@ -25,80 +23,13 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 from ..errors import KimiQuantError
+from .fork_server import default_workers, fork_server_pid, start_fork_server
 from .unit import run_job
 
 _progress_queue = None
-
-
-#: BLAS / OpenMP pools would start a thread per core in every worker (and spin between calls):
-#: workers are one per core already.  Set before the fork server imports numpy.
-_ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-@contextlib.contextmanager
-def _worker_birth():
-    """Processes started inside (the fork server, and so every worker it forks) inherit:
-
-    * SIGINT blocked (the mask survives fork and exec, and nothing there unblocks it): Ctrl-C reaches
-      the driver alone, which aborts the workers, and no worker prints a KeyboardInterrupt traceback.
-      Blocked in this thread, not ignored: a Ctrl-C meanwhile still reaches the driver (through
-      another thread, or when the mask is restored) instead of being lost;
-    * single-threaded BLAS / OpenMP (``_ONE_THREAD``, unless the user set them);
-    * no import from the current directory (``_safe_import_path``)."""
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        with _environ(_ONE_THREAD, keep_users=True), _safe_import_path():
-            yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str], keep_users: bool = False):
-    """``os.environ`` updated with ``values`` inside (``keep_users``: a variable already set stays as is)."""
-    saved = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if not (keep_users and k in os.environ):
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _safe_import_path():
-    """Helpers multiprocessing starts as ``python -c ...`` (its resource tracker, the fork server) would
-    have the current directory first on their import path: a ``numba.py`` in the directory the user ran
-    kimi-quant from would be imported, and run, in place of numba. Workers get the driver's own path."""
-    return _environ({"PYTHONSAFEPATH": "1"})
-
-
-def _quiet_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker with its stderr on /dev/null. Its only words are the
-    "leaked semaphore objects to clean up" warning it prints when the driver was killed (kill -9, the
-    OOM killer) before closing the queues: it cleans them up all the same, and a killed run is resumed
-    by re-running the command, so the warning only alarms. Started here, before any queue exists."""
-    from multiprocessing import resource_tracker
-
-    tracker = resource_tracker._resource_tracker
-    if getattr(tracker, "_fd", None) is not None:
-        return  # already running (an earlier executor in this process)
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null, _safe_import_path():
-            os.dup2(null.fileno(), 2)
-            try:
-                tracker.ensure_running()
-            finally:
-                os.dup2(saved, 2)
-    except OSError:
-        pass
-    finally:
-        os.close(saved)
+#: How often the progress thread looks for the end of the run: shutdown waits for it once. Not woken
+#: through the queue: a worker killed mid-put leaves the queue's lock held, and a put would hang.
+_DRAIN_POLL = 0.03
 
 
 def _started_thread(t: threading.Thread | None) -> bool:
@@ -167,7 +98,7 @@ class LocalExecutor:
     reaches ``shutdown``, which copes with any part started)."""
 
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None):
-        self.workers = max(1, int(workers or os.cpu_count() or 1))
+        self.workers = max(1, int(workers or default_workers()))
         most = 8 * (os.cpu_count() or 1)
         if self.workers > most:  # each is a process holding a tensor: a typo'd 100000 would exhaust the machine
             raise KimiQuantError(f"--workers {self.workers} is more than {most} (8 per core on this machine): more "
@@ -193,20 +124,17 @@ class LocalExecutor:
             self._warm = threading.Thread(target=self._warm_up, name="kq-warmup", daemon=True)
             self._warm.start()
             return self
-        _quiet_resource_tracker()
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([f"{__package__}.preload"])
+        # The server starts now unless `kimi-quant convert` started it already (ensure_running does not
+        # wait for it) and loads the kernels while the driver plans.  Workers are launched from a
+        # thread: a Ctrl-C (handled in the main thread) then never lands inside a launch, and shutdown
+        # waits for launches to finish, so no worker is left half-started (it would print a traceback
+        # once the driver has gone).
+        ctx = start_fork_server()
         self._queue = ctx.Queue()
         self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
                                          initargs=(self._queue, os.getpid()))
         self._drain = threading.Thread(target=self._drain_progress, daemon=True)
         self._drain.start()
-        # The server starts now (ensure_running does not wait for it) and loads the kernels while the
-        # driver plans.  Workers are launched from a thread: a Ctrl-C (handled in the main thread)
-        # then never lands inside a launch, and shutdown waits for launches to finish, so no worker
-        # is left half-started (it would print a traceback once the driver has gone).
-        with _worker_birth():
-            forkserver.ensure_running()
         self._launcher = threading.Thread(target=self._launch, name="kq-launch", daemon=True)
         self._launcher.start()
         return self
@@ -231,7 +159,7 @@ class LocalExecutor:
     def _stop_fork_server(self) -> None:
         """An abort while the fork server still loads (compiles) the kernels: stop it now rather than
         wait for the compilation (up to a minute on a cold cache) before the launches can end."""
-        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        pid = fork_server_pid()
         if pid is None or self.ready.is_set():
             return
         try:
@@ -242,7 +170,7 @@ class LocalExecutor:
     def _drain_progress(self) -> None:
         while not self._stop.is_set():
             try:
-                self.on_progress(self._queue.get(timeout=0.2))
+                self.on_progress(self._queue.get(timeout=_DRAIN_POLL))
             except queue.Empty:
                 continue
             except (EOFError, OSError):
