@@ -4,6 +4,9 @@
 For each target it runs `kimi-quant convert` as a subprocess on a `synth --preset bench`
 checkpoint and reports, measured in the same run:
   * GB/s of BF16 input, and the ratio to a plain read of the same source bytes;
+  * the rate of writing as many bytes as the output into a fresh file in the output folder (one thread): on
+    a VM the host may back each freed page anew when it is written (free page reporting), and the output
+    side of a conversion pays that too;
   * peak RSS of the whole process tree (driver + workers, sampled every 20 ms) and of the largest process;
   * cores busy: CPU seconds of the whole process tree over the wall time (and the load average, since
     other work on the machine skews every number here);
@@ -104,6 +107,45 @@ def read_gbps(src: Path) -> tuple[float, int]:
     return total / (time.perf_counter() - t0) / 1e9, total
 
 
+def write_gbps(folder: Path, nbytes: int) -> float:
+    """Rate of writing ``nbytes`` into a new file in ``folder`` (then deleted), one thread, 16 MiB writes:
+    what the output side of a conversion costs at least, beside quantizing."""
+    buf = memoryview(bytearray(16 << 20))
+    path = folder / f".kq-bench-write-{os.getpid()}"
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[:min(left, len(buf))])
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / seconds / 1e9
+
+
+def free_page_reporting() -> int | None:
+    """The guest's free page reporting order when a virtio balloon reports freed pages to the host (whose
+    next touch then faults in the host: slow fresh output pages), else None."""
+    try:
+        return int(Path("/sys/module/page_reporting/parameters/page_reporting_order").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def precompile() -> None:
+    """Byte-compile the installed kimi_quant, as pip does on install: in a sandbox that sets
+    PYTHONDONTWRITEBYTECODE, every run would otherwise compile the package from source (~0.3 s of
+    the driver and of the fork server before any work starts), which no installed copy pays."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kimi_quant")
+    if spec is not None and spec.submodule_search_locations:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *spec.submodule_search_locations],
+                       check=False, stdout=subprocess.DEVNULL)
+
+
 def warm_memory(gib: float) -> tuple[float, float]:
     """Touch ``gib`` GiB of fresh memory twice; the write rate (GB/s) of each pass.
 
@@ -149,7 +191,9 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
         for _ in range(repeat):
             shutil.rmtree(out, ignore_errors=True)
             runs.append(run_measured(cmd))
+        out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
         shutil.rmtree(out, ignore_errors=True)
+        write_bw = write_gbps(work, out_bytes)
         runs.sort(key=lambda r: r["seconds"])
         secs = [r["seconds"] for r in runs]
         median, best = secs[len(secs) // 2], secs[0]
@@ -159,6 +203,7 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
                      "runs": repeat, "seconds": round(median, 2), "gbps": round(gbps, 3),
                      "gbps_best": round(nbytes / best / 1e9, 3), "read_gbps": round(read_bw, 2),
                      "ratio_to_read": round(gbps / read_bw, 3),
+                     "out_gb": round(out_bytes / 1e9, 3), "write_gbps": round(write_bw, 2),
                      "cores_busy": round(runs[len(runs) // 2]["cores_busy"], 2),
                      # CPU seconds per GB of input: what a loaded machine distorts least
                      "core_s_per_gb": round(min(r["cores_busy"] * r["seconds"] for r in runs) / (nbytes / 1e9), 3),
@@ -319,6 +364,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.llmc_spec:
         return run_llmc(args.llmc_spec)
+    precompile()
+    print(json.dumps({"cores": os.cpu_count(), "free_page_reporting_order": free_page_reporting()}), flush=True)
     if args.warm_memory:
         first, second = warm_memory(args.warm_memory)
         print(json.dumps({"warm_memory_gib": args.warm_memory, "first_touch_gbps": round(first, 2),
