@@ -25,24 +25,29 @@ def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None,
     """sha256 of a file, hashed straight from an mmap (no copy), dropping pages as it goes;
     ``progress(n)`` after each chunk of n bytes. ``identity``: refuse any file but the one vetted
     (``untrusted.check_identity``)."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
         check_identity(f.fileno(), path, identity)
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return h.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            view = memoryview(m)
-            try:
-                for start in range(0, size, CHUNK):
-                    n = min(CHUNK, size - start)
-                    h.update(view[start:start + n])
-                    if hasattr(mmap, "MADV_DONTNEED"):
-                        m.madvise(mmap.MADV_DONTNEED, start, n)
-                    if progress:
-                        progress(n)
-            finally:
-                view.release()
+        return sha256_fd(f.fileno(), progress)
+
+
+def sha256_fd(fd: int, progress: Callable[[int], None] | None = None) -> str:
+    """sha256 of the file open as ``fd`` (readable), from its start to its current end (see ``sha256_file``)."""
+    h = hashlib.sha256()
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return h.hexdigest()
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
+        view = memoryview(m)
+        try:
+            for start in range(0, size, CHUNK):
+                n = min(CHUNK, size - start)
+                h.update(view[start:start + n])
+                if hasattr(mmap, "MADV_DONTNEED"):
+                    m.madvise(mmap.MADV_DONTNEED, start, n)
+                if progress:
+                    progress(n)
+        finally:
+            view.release()
     return h.hexdigest()
 
 

@@ -147,8 +147,9 @@ class ShardAssembly:
 
 
 def finish_shard(tmp: str | Path, path: str | Path, size: int) -> str:
-    """Complete a shard whose parts are all written: sha256 it, fsync, rename to ``path``; its sha256."""
-    from ..hashing import sha256_file
+    """Complete a shard whose parts are all written: sha256 it, fsync, rename to ``path``; its sha256.
+    Hashed through the descriptor whose size was checked, never by name again."""
+    from ..hashing import sha256_fd
 
     tmp, path = Path(tmp), Path(path)
     try:
@@ -158,7 +159,7 @@ def finish_shard(tmp: str | Path, path: str | Path, size: int) -> str:
     try:
         if os.fstat(fd).st_size != size:
             raise KimiQuantError(f"{tmp}: {os.fstat(fd).st_size} bytes, expected {size}")
-        sha = sha256_file(tmp)
+        sha = sha256_fd(fd)
         os.fsync(fd)
     finally:
         os.close(fd)
