@@ -7,6 +7,7 @@ KIMI_QUANT_DEBUG=1) shows the traceback as well.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import re
@@ -474,6 +475,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     from .convert import ConvertOptions, convert as run_convert
     from .targets import resolve_target
 
+    gc.freeze()  # this process's modules live to its end: its full collections need not walk them
     resolve_target(target)
     _staging_options_for(source, revision, work_dir, max_disk, keep_source)
     if do_validate and not Path(source).expanduser().is_dir():
