@@ -468,19 +468,20 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     tokens routed to them); the output format is the same. It runs layer by layer in this process
     (resumable per layer) and needs the source's tokenizer.
     """
-    if executor == "local" and not calibrate and (workers or default_workers()) > 1:
-        # the workers' start-up (about a second of one core: numba, the kernels) runs while this
-        # process imports numpy and plans; convert's executor then finds the server running
-        start_fork_server()
-    from .convert import ConvertOptions, convert as run_convert
     from .targets import resolve_target
 
-    gc.freeze()  # this process's modules live to its end: its full collections need not walk them
     resolve_target(target)
     _staging_options_for(source, revision, work_dir, max_disk, keep_source)
     if do_validate and not Path(source).expanduser().is_dir():
         raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                              "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
+    if executor == "local" and not calibrate and (workers or default_workers()) > 1:
+        # the workers' start-up (about a second of one core: numba, the kernels) runs while this
+        # process imports numpy and plans; convert's executor then finds the server running
+        start_fork_server()
+    from .convert import ConvertOptions, convert as run_convert
+
+    gc.freeze()  # this process's modules live to its end: its full collections need not walk them
     if do_validate:  # a model validation cannot run is refused before the conversion, not after it
         from .model.spec import load_model_spec
         from .validate.forward import check_supported
