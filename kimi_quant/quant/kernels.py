@@ -76,12 +76,22 @@ def _f32_as_u32(typingctx, x):
 
 
 def _e2m1_code_ir(b, y):
-    """numerics.e2m1_round code of float32 y >= 0 (i32): the number of thresholds passed."""
-    c = _c32(0)
-    for t, inclusive in E2M1_THRESHOLDS:
-        cmp = b.fcmp_ordered(">=" if inclusive else ">", y, ir.Constant(_F32, t))
-        c = b.add(c, b.zext(cmp, _I32))
-    return c
+    """numerics.e2m1_round code of float32 y >= 0 (i32), by float rounding instead of the 7 threshold
+    comparisons of E2M1_THRESHOLDS (fewer vector ops).
+
+    As in ``_e2m1_err``: with c = 2^(max(ey, 0) + 22) (ey = floor(log2 y)), s = y + c rounds y half
+    to even onto the E2M1 spacing of y's binade (0.5 below 2, then 2^(ey-1)), which is the
+    threshold pattern; s stays in c's binade, so bits(s) - bits(c) = k, the number of spacings.
+    The codes of binade ey >= 0 start at 2 ey (1 -> 2, 2 -> 4, 4 -> 6), below 1 at 0, so
+    code = k + 2 max(ey, 0), saturated at 7 (8 from y in [7, 8), and every y >= 8).  y is first
+    clamped to 8 (code 7 either way) so that c stays finite for every float32 input."""
+    u = b.bitcast(y, _I32)
+    u = b.select(b.icmp_unsigned("<", u, _c32(0x41000000)), u, _c32(0x41000000))  # min(y, 8)
+    e = b.select(b.icmp_unsigned(">", u, _c32(0x3F800000)), u, _c32(0x3F800000))  # max(y, 1)
+    cb = b.add(b.and_(e, _c32(0x7F800000)), _c32(22 << 23))  # bits of c
+    k = b.sub(b.bitcast(b.fadd(b.bitcast(u, _F32), b.bitcast(cb, _F32)), _I32), cb)
+    code = b.add(k, b.lshr(b.sub(cb, _c32(149 << 23)), _c32(22)))  # + 2 max(ey, 0)
+    return b.select(b.icmp_unsigned("<", code, _c32(7)), code, _c32(7))
 
 
 def _signed_ir(b, c, sign_bit):
