@@ -157,6 +157,14 @@ def _abs16(typingctx, x):
 
 
 @intrinsic
+def _as_i16(typingctx, x):
+    """uint16 bits as int16 (the same i16 register)."""
+    def codegen(context, builder, signature, args):
+        return args[0]
+    return types.int16(types.uint16), codegen
+
+
+@intrinsic
 def _bf16_f32(typingctx, x):
     """bf16 bits x as float32 (uint16 -> float32, exact)."""
     def codegen(context, b, signature, args):
@@ -257,21 +265,30 @@ def int8_kernel(w, q_out, s_out):
 
 
 @njit(cache=True)
-def _int4_row(w, n, xu, qrow, qsum, s_out, bias_out):
+def _bf16_range(x):
+    """(hi, lo, m) of bf16 bits x: max(x, 0), min(x, 0) as float32 and the largest |bits|.
+
+    Integer reductions on the bits (which vectorise; float max / min reductions do not without
+    fast-math): as int16, the bits of non-negative floats are >= 0 and ordered like the floats, so
+    smax = max(int16 bits, 0) is the bits of max(x, 0); as uint16, negative floats are above all
+    non-negative ones and ordered by magnitude, so umax is the most negative value's bits if any
+    is negative (umax >= 0x8000).  m = max(smax, umax & 0x7FFF): >= 0x7F80 iff x has a NaN/Inf."""
+    smax = np.int16(0)
+    umax = np.uint16(0)
+    for k in range(x.shape[0]):
+        b = x[k]
+        smax = max(smax, _as_i16(b))
+        umax = max(umax, b)
+    hi = _bf16_f32(np.uint16(smax))
+    lo = _bf16_f32(umax) if umax >= 0x8000 else np.float32(0.0)
+    return hi, lo, max(np.uint16(smax), _abs16(umax))
+
+
+@njit(cache=True)
+def _int4_row(w, n, qrow, qsum, s_out, bias_out):
     """Row n: its scale (``numerics.int4_scale``), scale_bias, and its codes in qrow; -1, or n if non-finite."""
     row = w[n]
-    K = row.shape[0]
-    xf = xu.view(np.float32)
-    hi = np.float32(0.0)  # max(w, 0)
-    lo = np.float32(0.0)  # min(w, 0)
-    m = np.uint16(0)
-    for k in range(K):
-        b = row[k]
-        x = _bf16_f32(b)
-        xf[k] = x
-        hi = max(hi, x)
-        lo = min(lo, x)
-        m = max(m, _abs16(b))
+    hi, lo, m = _bf16_range(row)
     if m >= 0x7F80:
         return n
     s = max(hi / np.float32(7.0), -lo / np.float32(8.0))
@@ -281,7 +298,7 @@ def _int4_row(w, n, xu, qrow, qsum, s_out, bias_out):
         s = np.float32(_nm.INT4_MIN_SCALE)
     s_out[n, 0] = s
     chunks = qsum.shape[0]
-    _int4_row_codes(xf, s, qrow, chunks, qsum)
+    _int4_row_codes(row, s, qrow, chunks, qsum)
     sd = np.float64(s)
     for c in range(chunks):
         bias_out[n, c] = np.float32(8.0 * np.float64(qsum[c]) * sd)
@@ -289,20 +306,20 @@ def _int4_row(w, n, xu, qrow, qsum, s_out, bias_out):
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _int4_row_codes(xf, s, qrow, chunks, qsum):
-    """Codes of one row into qrow (int8), q = clip(rint(x / s), -8, 7), and their sums over
-    ``chunks`` contiguous K chunks.  The sums are of integers, |sum| <= 8 * K < 2^24: exact in
+def _int4_row_codes(x, s, qrow, chunks, qsum):
+    """Codes of bf16 bits x into qrow (int8), q = clip(rint(x / s), -8, 7), and their sums over
+    ``chunks`` contiguous chunks.  The sums are of integers, |sum| <= 8 * K < 2^24: exact in
     float32 in any order (the only fast-math op)."""
-    K = xf.shape[0]
+    K = x.shape[0]
     lo = np.float32(-8.0)
     hi = np.float32(7.0)
     L = K // chunks
     for c in range(chunks):
-        xc = xf[c * L:(c + 1) * L]  # slices: indices from 0 vectorise
+        xc = x[c * L:(c + 1) * L]  # slices: indices from 0 vectorise
         qc = qrow[c * L:(c + 1) * L]
         acc = np.float32(0.0)
         for k in range(L):
-            t = min(max(np.rint(xc[k] / s), lo), hi)
+            t = min(max(np.rint(_bf16_f32(xc[k]) / s), lo), hi)
             qc[k] = np.int8(np.int32(t))
             acc += t
         qsum[c] = np.int64(acc)
@@ -312,15 +329,14 @@ def _int4_row_codes(xf, s, qrow, chunks, qsum):
 def int4_kernel(w, packed_out, s_out, bias_out):
     """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks]."""
     N, K = w.shape
-    xu = np.empty(K, dtype=np.uint32)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
     qsum = np.empty(bias_out.shape[1], dtype=np.int64)
     for j in range(N // 2):
-        bad = _int4_row(w, 2 * j, xu, q0, qsum, s_out, bias_out)
+        bad = _int4_row(w, 2 * j, q0, qsum, s_out, bias_out)
         if bad >= 0:
             return bad
-        bad = _int4_row(w, 2 * j + 1, xu, q1, qsum, s_out, bias_out)
+        bad = _int4_row(w, 2 * j + 1, q1, qsum, s_out, bias_out)
         if bad >= 0:
             return bad
         for k in range(K):
@@ -344,29 +360,18 @@ def _fp16_ceil(s):
 
 
 @njit(cache=True)
-def _int4_group_row(w, n, group, seg, xu, qrow, qseg, s_out, bias_out):
+def _int4_group_row(w, n, group, seg, qrow, qseg, s_out, bias_out):
     """Row n of per-group int4: group scales (``numerics.int4_group_scale``), codes in qrow, and
     scale_bias (``numerics.int4_group_scale_bias``: integer sums over segments of ``seg`` inputs,
     which never straddle a group or a chunk); -1, or n if non-finite."""
     row = w[n]
     K = row.shape[0]
-    xf = xu.view(np.float32)
-    m = np.uint16(0)
-    for k in range(K):
-        b = row[k]
-        xf[k] = _bf16_f32(b)
-        m = max(m, _abs16(b))
-    if m >= 0x7F80:
-        return n
     per = group // seg
     for g in range(K // group):
-        xg = xf[g * group:(g + 1) * group]
-        hi = np.float32(0.0)
-        lo = np.float32(0.0)
-        for k in range(group):
-            x = xg[k]
-            hi = max(hi, x)
-            lo = min(lo, x)
+        xg = row[g * group:(g + 1) * group]
+        hi, lo, m = _bf16_range(xg)
+        if m >= 0x7F80:
+            return n
         if hi > 0 or lo < 0:
             s = _fp16_ceil(max(hi / np.float32(7.0), -lo / np.float32(8.0)))
         else:
@@ -395,15 +400,14 @@ def int4_group_kernel(w, group, seg, packed_out, s_out, bias_out):
     """W4A8_DYNAMIC per group: packed_out int8 [N/2, K], s_out float32 [N, K/group]
     (weight_scale_second), bias_out float32 [N, chunks]; seg = gcd(group, K / chunks)."""
     N, K = w.shape
-    xu = np.empty(K, dtype=np.uint32)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
     qseg = np.empty(K // seg, dtype=np.int64)
     for j in range(N // 2):
-        bad = _int4_group_row(w, 2 * j, group, seg, xu, q0, qseg, s_out, bias_out)
+        bad = _int4_group_row(w, 2 * j, group, seg, q0, qseg, s_out, bias_out)
         if bad >= 0:
             return bad
-        bad = _int4_group_row(w, 2 * j + 1, group, seg, xu, q1, qseg, s_out, bias_out)
+        bad = _int4_group_row(w, 2 * j + 1, group, seg, q1, qseg, s_out, bias_out)
         if bad >= 0:
             return bad
         for k in range(K):
