@@ -94,6 +94,14 @@ def _e2m1_code_ir(b, y):
     return b.select(b.icmp_unsigned("<", code, _c32(7)), code, _c32(7))
 
 
+@intrinsic
+def _e2m1_code_f32(typingctx, y):
+    """``_e2m1_code_ir`` of float32 y >= 0 as uint8 (for the tests)."""
+    def codegen(context, b, signature, args):
+        return b.trunc(_e2m1_code_ir(b, args[0]), _I8)
+    return types.uint8(types.float32), codegen
+
+
 def _signed_ir(b, c, sign_bit):
     """c | sign_bit unless c == 0 (zero magnitudes stay +0); sign_bit is 0 or the code's sign bit (i32)."""
     return b.or_(c, b.select(b.icmp_unsigned("!=", c, _c32(0)), sign_bit, _c32(0)))
