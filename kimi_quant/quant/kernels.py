@@ -75,9 +75,19 @@ def _f32_as_u32(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
+def _k(ty, v):
+    """Constant v of type ty, splat when ty is a vector type (the helpers below build either)."""
+    return ir.Constant(ty, [v] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, v)
+
+
+def _as(ty, elem):
+    """ty (scalar or vector) with its element type replaced by elem."""
+    return ir.VectorType(elem, ty.count) if isinstance(ty, ir.VectorType) else elem
+
+
 def _e2m1_code_ir(b, y):
-    """numerics.e2m1_round code of float32 y >= 0 (i32), by float rounding instead of the 7 threshold
-    comparisons of E2M1_THRESHOLDS (fewer vector ops).
+    """numerics.e2m1_round code of float32 y >= 0 (i32; or a vector of them), by float rounding
+    instead of the 7 threshold comparisons of E2M1_THRESHOLDS (fewer vector ops).
 
     As in ``_e2m1_err``: with c = 2^(max(ey, 0) + 22) (ey = floor(log2 y)), s = y + c rounds y half
     to even onto the E2M1 spacing of y's binade (0.5 below 2, then 2^(ey-1)), which is the
@@ -85,13 +95,14 @@ def _e2m1_code_ir(b, y):
     The codes of binade ey >= 0 start at 2 ey (1 -> 2, 2 -> 4, 4 -> 6), below 1 at 0, so
     code = k + 2 max(ey, 0), saturated at 7 (8 from y in [7, 8), and every y >= 8).  y is first
     clamped to 8 (code 7 either way) so that c stays finite for every float32 input."""
-    u = b.bitcast(y, _I32)
-    u = b.select(b.icmp_unsigned("<", u, _c32(0x41000000)), u, _c32(0x41000000))  # min(y, 8)
-    e = b.select(b.icmp_unsigned(">", u, _c32(0x3F800000)), u, _c32(0x3F800000))  # max(y, 1)
-    cb = b.add(b.and_(e, _c32(0x7F800000)), _c32(22 << 23))  # bits of c
-    k = b.sub(b.bitcast(b.fadd(b.bitcast(u, _F32), b.bitcast(cb, _F32)), _I32), cb)
-    code = b.add(k, b.lshr(b.sub(cb, _c32(149 << 23)), _c32(22)))  # + 2 max(ey, 0)
-    return b.select(b.icmp_unsigned("<", code, _c32(7)), code, _c32(7))
+    ti = _as(y.type, _I32)
+    u = b.bitcast(y, ti)
+    u = b.select(b.icmp_unsigned("<", u, _k(ti, 0x41000000)), u, _k(ti, 0x41000000))  # min(y, 8)
+    e = b.select(b.icmp_unsigned(">", u, _k(ti, 0x3F800000)), u, _k(ti, 0x3F800000))  # max(y, 1)
+    cb = b.add(b.and_(e, _k(ti, 0x7F800000)), _k(ti, 22 << 23))  # bits of c
+    k = b.sub(b.bitcast(b.fadd(b.bitcast(u, y.type), b.bitcast(cb, y.type)), ti), cb)
+    code = b.add(k, b.lshr(b.sub(cb, _k(ti, 149 << 23)), _k(ti, 22)))  # + 2 max(ey, 0)
+    return b.select(b.icmp_unsigned("<", code, _k(ti, 7)), code, _k(ti, 7))
 
 
 @intrinsic
@@ -104,7 +115,18 @@ def _e2m1_code_f32(typingctx, y):
 
 def _signed_ir(b, c, sign_bit):
     """c | sign_bit unless c == 0 (zero magnitudes stay +0); sign_bit is 0 or the code's sign bit (i32)."""
-    return b.or_(c, b.select(b.icmp_unsigned("!=", c, _c32(0)), sign_bit, _c32(0)))
+    z = _k(c.type, 0)
+    return b.or_(c, b.select(b.icmp_unsigned("!=", c, z), sign_bit, z))
+
+
+def _fp4_ir(b, wd, p):
+    """MXFP4 byte(s) (i8) of the bf16 pair(s) in i32 wd, magnitudes times float32 p (see ``_fp4_byte``)."""
+    ti = wd.type
+    lo = b.fmul(b.bitcast(b.and_(b.shl(wd, _k(ti, 16)), _k(ti, 0x7FFF0000)), p.type), p)
+    hi = b.fmul(b.bitcast(b.and_(wd, _k(ti, 0x7FFF0000)), p.type), p)
+    clo = _signed_ir(b, _e2m1_code_ir(b, lo), b.and_(b.lshr(wd, _k(ti, 12)), _k(ti, 8)))
+    chi = _signed_ir(b, _e2m1_code_ir(b, hi), b.and_(b.lshr(wd, _k(ti, 28)), _k(ti, 8)))
+    return b.trunc(b.or_(clo, b.shl(chi, _k(ti, 4))), _as(ti, _I8))
 
 
 @intrinsic
@@ -112,13 +134,27 @@ def _fp4_byte(typingctx, wd, p):
     """One output byte of MXFP4: the bf16 pair in uint32 word wd (element 2i in the low half),
     magnitudes scaled by p (float32 2^-e), E2M1 codes with sign, low nibble first."""
     def codegen(context, b, signature, args):
-        wd, p = args
-        lo = b.fmul(b.bitcast(b.and_(b.shl(wd, _c32(16)), _c32(0x7FFF0000)), _F32), p)
-        hi = b.fmul(b.bitcast(b.and_(wd, _c32(0x7FFF0000)), _F32), p)
-        clo = _signed_ir(b, _e2m1_code_ir(b, lo), b.and_(b.lshr(wd, _c32(12)), _c32(8)))
-        chi = _signed_ir(b, _e2m1_code_ir(b, hi), b.and_(b.lshr(wd, _c32(28)), _c32(8)))
-        return b.trunc(b.or_(clo, b.shl(chi, _c32(4))), _I8)
+        return _fp4_ir(b, args[0], args[1])
     return types.uint8(types.uint32, types.float32), codegen
+
+
+@intrinsic
+def _fp4_block(typingctx, src, i0, p, dst):
+    """dst[i0 + j] = _fp4_byte(src[i0 + j], p) for j < 16, one MX block (src: uint32 words of bf16
+    pairs, dst: uint8, both 1-D contiguous): one 16-lane load, compute and store, without the
+    per-block loop set-up (alias checks, remainder) a 16-iteration numba loop pays."""
+    def codegen(context, b, signature, args):
+        n = BLOCK // 2
+        sa = context.make_array(signature.args[0])(context, b, args[0])
+        da = context.make_array(signature.args[3])(context, b, args[3])
+        vi = ir.VectorType(_I32, n)
+        vf = ir.VectorType(_F32, n)
+        wd = b.load(b.bitcast(b.gep(sa.data, [args[1]]), vi.as_pointer()), align=4)
+        pv = b.insert_element(ir.Constant(vf, ir.Undefined), args[2], _c32(0))
+        pv = b.shuffle_vector(pv, ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * n))
+        b.store(_fp4_ir(b, wd, pv), b.bitcast(b.gep(da.data, [args[1]]), ir.VectorType(_I8, n).as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.none(src, i0, types.float32, dst), codegen
 
 
 @intrinsic
@@ -518,7 +554,6 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     """
     N, K = w.shape
     nb = K // BLOCK
-    bm = np.empty(nb, dtype=np.uint16)
     pf = np.empty(nb, dtype=np.float32)
     satb = np.empty(nb, dtype=np.int64)
     sate = np.empty(nb, dtype=np.int32)
@@ -534,28 +569,28 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     ymax = np.float32(448.0) if fp8 else np.float32(6.0)
     for n in range(N):
         row = w[n]
-        for blk in range(nb):
-            bm[blk] = _block_absmax(row, blk * BLOCK)
+        srow = scale_out[n]
+        # branch-free: whether a block saturates is data-dependent (~40% of them), a mispredicted
+        # branch per block cost more than the rest of this loop; a non-finite block is caught after it
+        mx = np.uint16(0)
         nsat = 0
         for blk in range(nb):
-            m = bm[blk]
-            if m >= 0x7F80:
-                return n
-            if m == 0:
-                scale_out[n, blk] = E8M0_ZERO_BLOCK
-                pf[blk] = np.float32(0.0)  # every y is 0: codes 0
-                continue
-            ex = np.int32(m >> 7)
-            E = ex - 127 if ex > 0 else -127
+            m16 = _block_absmax(row, blk * BLOCK)
+            mx = max(mx, m16)
+            m = np.int32(m16)
+            E = max(m >> 7, 1) - 127  # floor(log2(amax)); subnormal amax: -126, clamped below like -127
             e0 = max(E - emax_elem, -127)
-            e1 = max(E - emax_elem + 1, -127)
             p0 = _u32_as_f32(np.uint32(127 - e0) << 23)
-            pf[blk] = p0
-            scale_out[n, blk] = np.uint8(e0 + 127)
-            if e1 != e0 and _u32_as_f32(np.uint32(m) << 16) * p0 > ymax:
-                satb[nsat] = blk
-                sate[nsat] = e1
-                nsat += 1
+            zero = m == 0
+            pf[blk] = np.float32(0.0) if zero else p0  # all-zero block: every y is 0, codes 0
+            srow[blk] = np.uint8(E8M0_ZERO_BLOCK if zero else e0 + 127)
+            # saturates under e0, and e1 = e0 + 1 differs from e0 (not clamped at -127)
+            sat = (E - emax_elem + 1 > -127) & (_u32_as_f32(np.uint32(m) << 16) * p0 > ymax)
+            satb[nsat] = blk
+            sate[nsat] = e0 + 1
+            nsat += np.int64(sat)
+        if mx >= 0x7F80:
+            return n
         orow = codes_out[n]
         if fp8:
             for blk in range(nb):
@@ -566,10 +601,7 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
         else:
             row32 = row.view(np.uint32)
             for blk in range(nb):
-                p = pf[blk]
-                h0 = blk * (BLOCK // 2)
-                for i in range(BLOCK // 2):
-                    orow[h0 + i] = _fp4_byte(row32[h0 + i], p)
+                _fp4_block(row32, blk * (BLOCK // 2), pf[blk], orow)
         if fp8:
             # E4M3: about a third of the saturating blocks tie exactly (4 sse1 == sse0), which no
             # screen can decide; the exact rule directly is cheaper
@@ -577,18 +609,17 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
         else:
             _mx_screen(row, satb, sate, nsat, pf, s0v, s1v, fp8)
             nund = 0
-            for t in range(nsat):
+            for t in range(nsat):  # branch-free too (the outcome is data-dependent)
                 s0 = s0v[t]
                 s1 = s1v[t]
-                if np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin):
-                    winv[t] = True
-                elif np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin):
-                    winv[t] = False
-                else:  # too close for the screen: the exact rule
-                    undb[nund] = satb[t]
-                    unde[nund] = sate[t]
-                    undt[nund] = t
-                    nund += 1
+                win = np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin)
+                lose = np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin)
+                winv[t] = win
+                # neither: too close for the screen, the exact rule decides
+                undb[nund] = satb[t]
+                unde[nund] = sate[t]
+                undt[nund] = t
+                nund += np.int64(not (win | lose))
             if nund > 0:
                 _mx_exact_row(row, undb, unde, nund, pf, winu, fp8, d0, d1)
                 for i in range(nund):
@@ -605,9 +636,7 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
                     for j in range(BLOCK):
                         orow[k0 + j] = _fp8_byte(row[k0 + j], p1)
                 else:
-                    row32 = row.view(np.uint32)
-                    for i in range(BLOCK // 2):
-                        orow[k0 // 2 + i] = _fp4_byte(row32[k0 // 2 + i], p1)
+                    _fp4_block(row.view(np.uint32), k0 // 2, p1, orow)
     return -1
 
 
