@@ -93,16 +93,15 @@ def _e2m1_code_ir(b, y):
     to even onto the E2M1 spacing of y's binade (0.5 below 2, then 2^(ey-1)), which is the
     threshold pattern; s stays in c's binade, so bits(s) - bits(c) = k, the number of spacings.
     The codes of binade ey >= 0 start at 2 ey (1 -> 2, 2 -> 4, 4 -> 6), below 1 at 0, so
-    code = k + 2 max(ey, 0), saturated at 7 (8 from y in [7, 8), and every y >= 8).  y is first
-    clamped to 8 (code 7 either way) so that c stays finite for every float32 input."""
+    code = k + 2 max(ey, 0).  Saturation: y is first clamped to the float32 just below 7, which
+    rounds to 6 (code 7) like every y > 5, so the code never exceeds 7 and c stays finite."""
     ti = _as(y.type, _I32)
     u = b.bitcast(y, ti)
-    u = b.select(b.icmp_unsigned("<", u, _k(ti, 0x41000000)), u, _k(ti, 0x41000000))  # min(y, 8)
+    u = b.select(b.icmp_unsigned("<", u, _k(ti, 0x40DFFFFF)), u, _k(ti, 0x40DFFFFF))  # min(y, 7 - ulp)
     e = b.select(b.icmp_unsigned(">", u, _k(ti, 0x3F800000)), u, _k(ti, 0x3F800000))  # max(y, 1)
     cb = b.add(b.and_(e, _k(ti, 0x7F800000)), _k(ti, 22 << 23))  # bits of c
     k = b.sub(b.bitcast(b.fadd(b.bitcast(u, y.type), b.bitcast(cb, y.type)), ti), cb)
-    code = b.add(k, b.lshr(b.sub(cb, _k(ti, 149 << 23)), _k(ti, 22)))  # + 2 max(ey, 0)
-    return b.select(b.icmp_unsigned("<", code, _k(ti, 7)), code, _k(ti, 7))
+    return b.add(k, b.lshr(b.sub(cb, _k(ti, 149 << 23)), _k(ti, 22)))  # + 2 max(ey, 0)
 
 
 @intrinsic
@@ -120,13 +119,17 @@ def _signed_ir(b, c, sign_bit):
 
 
 def _fp4_ir(b, wd, p):
-    """MXFP4 byte(s) (i8) of the bf16 pair(s) in i32 wd, magnitudes times float32 p (see ``_fp4_byte``)."""
+    """MXFP4 byte(s) (i8) of the bf16 pair(s) in i32 wd, magnitudes times float32 p (see ``_fp4_byte``).
+    The signs of both nibbles at once: bit 15 -> 3, bit 31 -> 7, kept where the nibble is nonzero,
+    i.e. where bit 3 of nibble + 7 is set (codes <= 7: no carry between the nibbles)."""
     ti = wd.type
     lo = b.fmul(b.bitcast(b.and_(b.shl(wd, _k(ti, 16)), _k(ti, 0x7FFF0000)), p.type), p)
     hi = b.fmul(b.bitcast(b.and_(wd, _k(ti, 0x7FFF0000)), p.type), p)
-    clo = _signed_ir(b, _e2m1_code_ir(b, lo), b.and_(b.lshr(wd, _k(ti, 12)), _k(ti, 8)))
-    chi = _signed_ir(b, _e2m1_code_ir(b, hi), b.and_(b.lshr(wd, _k(ti, 28)), _k(ti, 8)))
-    return b.trunc(b.or_(clo, b.shl(chi, _k(ti, 4))), _as(ti, _I8))
+    c = b.or_(_e2m1_code_ir(b, lo), b.shl(_e2m1_code_ir(b, hi), _k(ti, 4)))
+    sg = b.and_(wd, _k(ti, 0x80008000))
+    sg = b.or_(b.lshr(sg, _k(ti, 12)), b.lshr(sg, _k(ti, 24)))  # bits 3, 7 (and 19, cleared below)
+    c = b.or_(c, b.and_(sg, b.add(c, _k(ti, 0x77))))
+    return b.trunc(c, _as(ti, _I8))
 
 
 @intrinsic
