@@ -37,6 +37,28 @@ def test_e2m1_code_every_bf16_times_every_scale():
             assert np.array_equal(out, (lo | (hi << 4)).astype(np.uint8)), e
 
 
+@njit
+def _fp4_blocks16(x, sh, out):
+    for blk in range(x.shape[0] // 32):
+        kn._fp4_block16(x, blk * 32, sh, out)
+
+
+def test_fp4_block16_every_bf16_times_every_scale():
+    """``_fp4_block16`` (E2M1 bytes in 16-bit lanes on the bf16 bits) == the reference for every
+    finite bf16 pattern (both signs, -0 included) times every scale 2^-e it is used with
+    (e >= FP4_I16_EMIN up to e1 = 126), whether or not that product can occur in a block."""
+    x = np.arange(0, 0x10000, dtype=np.uint32).astype(np.uint16)
+    x = x[(x & 0x7FFF) < 0x7F80]
+    a = bf16_to_f32(x)
+    out = np.empty(x.size // 2, np.uint8)
+    for e in range(kn.FP4_I16_EMIN, 127):
+        _fp4_blocks16(x, np.int32(e << 7), out)
+        with np.errstate(over="ignore"):
+            c = nm.e2m1_round(np.abs(a) * np.float32(2.0**-e))[0]
+        c = np.where((c != 0) & (a < 0), c | 8, c).astype(np.uint8)
+        assert np.array_equal(out, nm.pack_nibbles_along_k(c[None])[0]), e
+
+
 def test_e2m1_code_every_float32_grid_neighbourhood():
     """Around every E2M1 threshold and grid value, the float32 neighbours (ties, one ulp either side)
     and the float32 subnormals / zero / inf, at scale 1."""

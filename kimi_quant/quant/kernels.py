@@ -160,6 +160,47 @@ def _fp4_block(typingctx, src, i0, p, dst):
     return types.none(src, i0, types.float32, dst), codegen
 
 
+#: E2M1 thresholds as bf16 bit patterns, every one made inclusive (y > t  <=>  bits >= bits(t) + 1)
+_E2M1_T16 = [int(np.float32(t).view(np.uint32) >> 16) + (0 if inc else 1) for t, inc in E2M1_THRESHOLDS]
+
+#: smallest scale exponent e for which ``_fp4_block16`` is exact (see there)
+FP4_I16_EMIN = -124
+
+
+@intrinsic
+def _fp4_block16(typingctx, src, k0, sh, dst):
+    """dst[k0 / 2 + j] = the MXFP4 bytes of bf16 src[k0 : k0 + 32] (one block) scaled by 2^-e, with
+    sh = e << 7, e >= FP4_I16_EMIN, in 16-bit lanes (twice the lanes of ``_fp4_block``).
+
+    y = |x| 2^-e is exact in bf16, so its bits are |x|'s minus e << 7 (the exponent field), compared
+    with the bf16 thresholds.  Exact whenever y is a normal bf16.  Otherwise the code is 0 either
+    way: y < 2^-126 gives bits <= 127 or negative (signed compares; a subnormal x gives bits below
+    0x3E80 = 0.25 while e >= -124), the true y is below 0.25; the subtraction saturates (vpsubsw),
+    so a huge y stays >= every threshold (code 7) and a tiny one below them."""
+    def codegen(context, b, signature, args):
+        n = BLOCK
+        sa = context.make_array(signature.args[0])(context, b, args[0])
+        da = context.make_array(signature.args[3])(context, b, args[3])
+        v16 = ir.VectorType(_I16, n)
+        x = b.load(b.bitcast(b.gep(sa.data, [args[1]]), v16.as_pointer()), align=2)
+        shv = b.insert_element(ir.Constant(v16, ir.Undefined), b.trunc(args[2], _I16), _c32(0))
+        shv = b.shuffle_vector(shv, ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+        ssub = cgutils.get_or_insert_function(b.module, ir.FunctionType(v16, [v16, v16]), "llvm.ssub.sat.v32i16")
+        yb = b.call(ssub, [b.and_(x, _k(v16, 0x7FFF)), shv])
+        c = _k(v16, 0)
+        for t in _E2M1_T16:
+            c = b.add(c, b.zext(b.icmp_signed(">=", yb, _k(v16, t)), v16))
+        # sign (bit 15 -> bit 3) where the code is nonzero (bit 3 of code + 7)
+        c = b.or_(c, b.and_(b.and_(b.lshr(x, _k(v16, 12)), _k(v16, 8)), b.add(c, _k(v16, 7))))
+        # element 2i (low half of each 32-bit pair) -> low nibble, 2i + 1 -> high nibble
+        v32 = b.bitcast(c, ir.VectorType(_I32, n // 2))
+        byte = b.trunc(b.or_(v32, b.lshr(v32, _k(v32.type, 12))), ir.VectorType(_I8, n // 2))
+        b.store(byte, b.bitcast(b.gep(da.data, [b.sdiv(args[1], ir.Constant(args[1].type, 2))]),
+                                ir.VectorType(_I8, n // 2).as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.none(src, k0, sh, dst), codegen
+
+
 @intrinsic
 def _fp8_byte(typingctx, x, p):
     """One output byte of MXFP8: bf16 bits x, magnitude scaled by p (float32 2^-e), rounded to E4M3
@@ -558,6 +599,7 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     N, K = w.shape
     nb = K // BLOCK
     pf = np.empty(nb, dtype=np.float32)
+    ev = np.empty(nb, dtype=np.int32)
     satb = np.empty(nb, dtype=np.int64)
     sate = np.empty(nb, dtype=np.int32)
     winv = np.empty(nb, dtype=np.bool_)
@@ -586,6 +628,7 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
             p0 = _u32_as_f32(np.uint32(127 - e0) << 23)
             zero = m == 0
             pf[blk] = np.float32(0.0) if zero else p0  # all-zero block: every y is 0, codes 0
+            ev[blk] = 0 if zero else e0
             srow[blk] = np.uint8(E8M0_ZERO_BLOCK if zero else e0 + 127)
             # saturates under e0, and e1 = e0 + 1 differs from e0 (not clamped at -127)
             sat = (E - emax_elem + 1 > -127) & (_u32_as_f32(np.uint32(m) << 16) * p0 > ymax)
@@ -601,10 +644,14 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
                 k0 = blk * BLOCK
                 for j in range(BLOCK):
                     orow[k0 + j] = _fp8_byte(row[k0 + j], p)
-        else:
-            row32 = row.view(np.uint32)
+        row32 = row.view(np.uint32)
+        if not fp8:
             for blk in range(nb):
-                _fp4_block(row32, blk * (BLOCK // 2), pf[blk], orow)
+                e = ev[blk]
+                if e >= FP4_I16_EMIN:
+                    _fp4_block16(row, blk * BLOCK, e << 7, orow)
+                else:  # amax < 2^-122 (subnormal products): float32 lanes
+                    _fp4_block(row32, blk * (BLOCK // 2), pf[blk], orow)
         if fp8:
             # E4M3: about a third of the saturating blocks tie exactly (4 sse1 == sse0), which no
             # screen can decide; the exact rule directly is cheaper
@@ -638,8 +685,10 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
                 if fp8:
                     for j in range(BLOCK):
                         orow[k0 + j] = _fp8_byte(row[k0 + j], p1)
+                elif e1 >= FP4_I16_EMIN:
+                    _fp4_block16(row, k0, e1 << 7, orow)
                 else:
-                    _fp4_block(row.view(np.uint32), k0 // 2, p1, orow)
+                    _fp4_block(row32, k0 // 2, p1, orow)
     return -1
 
 
