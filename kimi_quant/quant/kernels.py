@@ -11,7 +11,7 @@ Bit identity with the reference rests on doing the same IEEE operations in the s
 float32 division ``w / s``, ``rint`` (half to even), float64 sums that are either exact
 (int4: integer-valued terms) or follow the same fixed halving tree (MX block errors).
 Nothing here uses fastmath, except where the sums are exact whatever the order: the int4 code
-sums, and the MX float32 SSE screen (``_mx_screen``: it only decides blocks whose margin exceeds
+sums, and the MX float32 SSE screen (``_e2m1_screen``: it only decides blocks whose margin exceeds
 every rounding error; the rest take the exact float64 tree).
 
 Vector width: numba types uint16/uint32 arithmetic as 64-bit, which quarters the lanes of element
@@ -525,36 +525,61 @@ def _tree64(d):
 MX_SCREEN_MARGIN = np.float32(2.0**-12)
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _mx_screen(row, satb, sate, nsat, pf, s0o, s1o, fp8):
-    """(S0, S1) = float32 sums of d0^2, d1^2 (any order) of each saturating block t of a row.
+def _splat(b, vty, x):
+    v = b.insert_element(ir.Constant(vty, ir.Undefined), x, _c32(0))
+    return b.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _halving_sum(b, v):
+    """Sum of the lanes of float vector v by the fixed halving tree (lanes j + j + h)."""
+    while v.type.count > 1:
+        h = v.type.count // 2
+        v = b.fadd(b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h)))),
+                   b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, 2 * h)))))
+    return b.extract_element(v, _c32(0))
+
+
+@intrinsic
+def _e2m1_screen(typingctx, row, k0, p0):
+    """(S0, S1) = float32 sums of d0^2 and (2 d1)^2 over the block row[k0 : k0 + 32] (bf16 bits), d0 and
+    d1 the E2M1 rounding errors under scales 2^-e0 (p0) and 2^-e1, e1 = e0 + 1 (a saturating block).
+
+    d0 as ``_e2m1_err`` (y < 8 here).  2 d1 without a second product: y1 = y0 / 2, so
+    2 (y1 - round(y1)) = y0 - round2(y0), round2 onto twice the E2M1 grid {0, 1, 2, 3, 4, 6, 8}
+    (spacing 1 below 4, 2 in [4, 8); y0 < 8 never saturates it): c = 2^(max(ey, 1) + 22).  Exact
+    when y1 is a normal float32; below, both are < 2^-125, whose squares vanish next to S0 >= 2^-10.
 
     Why a screen is exact: d = y - v is exact in float32 (as in the reference), so with T0, T1 the
-    exact sums, |S - T| <= ~33 * 2^-24 T (each square and each addition rounds once; squares that
-    underflow to float32 subnormals add < 2^-149 each, negligible as T0 >= 2^-10 for a saturating
-    E2M1 block), and the reference's float64 trees are within ~6 * 2^-53 T.  So when
-    4 S1 < S0 (1 - margin) with margin = 2^-12, 4 T1 < T0 (1 - 2^-13) and the reference's
-    4 tree(d1^2) < tree(d0^2) holds too (e1 wins); when 4 S1 > S0 (1 + margin) it fails (e0).
-    Anything in between goes to ``_mx_exact_row``.  The only fast-math ops here are the sums."""
-    for t in range(nsat):
-        k0 = satb[t] * BLOCK
-        blk = row[k0:k0 + BLOCK]
-        p0 = pf[satb[t]]
-        p1 = _u32_as_f32(np.uint32(127 - sate[t]) << 23)
-        s0 = np.float32(0.0)
-        s1 = np.float32(0.0)
-        for j in range(BLOCK):
-            a = _bf16_abs_f32(blk[j])
-            if fp8:
-                d0 = _e4m3_err(a * p0)
-                d1 = _e4m3_err(a * p1)
-            else:
-                d0 = _e2m1_err(a * p0)
-                d1 = _e2m1_err(a * p1)
-            s0 += d0 * d0
-            s1 += d1 * d1
-        s0o[t] = s0
-        s1o[t] = s1
+    exact sums, |S - T| <= ~6 * 2^-24 T (each square rounds once, then 5 levels of additions;
+    squares that underflow to float32 subnormals add < 2^-149 each, negligible as T0 >= 2^-10 for a
+    saturating E2M1 block: its largest y0 > 6 is >= 6 + 2^-5), and the reference's float64 trees
+    are within ~6 * 2^-53 T.  So when S1 < S0 (1 - margin) with margin = 2^-12, 4 T1 < T0 (1 - 2^-13)
+    and the reference's 4 tree(d1^2) < tree(d0^2) holds too (e1 wins); when S1 > S0 (1 + margin)
+    it fails (e0).  Anything in between goes to ``_mx_exact_row``."""
+    def codegen(context, b, signature, args):
+        n = BLOCK
+        ra = context.make_array(signature.args[0])(context, b, args[0])
+        v16 = ir.VectorType(_I16, n)
+        vi = ir.VectorType(_I32, n)
+        vf = ir.VectorType(_F32, n)
+        x = b.load(b.bitcast(b.gep(ra.data, [args[1]]), v16.as_pointer()), align=2)
+        a = b.bitcast(b.shl(b.zext(b.and_(x, _k(v16, 0x7FFF)), vi), _k(vi, 16)), vf)
+        y = b.fmul(a, _splat(b, vf, args[2]))
+        u = b.bitcast(y, vi)
+
+        def rounded(lo_bits):  # (y + c) - c, c = 2^(max(ey, ey(lo)) + 22)
+            m = b.select(b.icmp_unsigned(">", u, _k(vi, lo_bits)), u, _k(vi, lo_bits))
+            c = b.bitcast(b.add(b.and_(m, _k(vi, 0x7F800000)), _k(vi, 22 << 23)), vf)
+            return b.fsub(b.fadd(y, c), c)
+
+        v0 = rounded(0x3F800000)
+        v0 = b.select(b.fcmp_ordered("<", v0, _k(vf, 6.0)), v0, _k(vf, 6.0))
+        d0 = b.fsub(y, v0)
+        d1 = b.fsub(y, rounded(0x40000000))
+        s0 = _halving_sum(b, b.fmul(d0, d0))
+        s1 = _halving_sum(b, b.fmul(d1, d1))
+        return context.make_tuple(b, signature.return_type, [s0, s1])
+    return types.UniTuple(types.float32, 2)(row, k0, types.float32), codegen
 
 
 @njit(cache=True)
@@ -590,7 +615,7 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     whether the block saturates under e0; (3) codes of the whole row under e0, in vector lanes
     (E2M1 two elements per uint32 word of bf16 pairs, packed straight into the output byte);
     (4) the saturating blocks only: both candidates with their SSE, codes rewritten if e1 wins
-    (E2M1: a float32 screen decides all but ~0.1% of them, see ``_mx_screen``, the rest take the
+    (E2M1: a float32 screen decides all but ~0.1% of them, see ``_e2m1_screen``, the rest take the
     exact float64 tree; E4M3: always the exact tree, a third of its saturating blocks tie exactly).
     Skipping (4) for the other blocks is exact: when no element saturates under e0 (y <= ymax_elem),
     the e1 grid restricted to [0, ymax] is a subset of the e0 grid, so every element's e0 error is
@@ -606,8 +631,6 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     sate = np.empty(nb, dtype=np.int32)
     winv = np.empty(nb, dtype=np.bool_)
     winu = np.empty(nb, dtype=np.bool_)
-    s0v = np.empty(nb, dtype=np.float32)
-    s1v = np.empty(nb, dtype=np.float32)
     undb = np.empty(nb, dtype=np.int64)
     unde = np.empty(nb, dtype=np.int32)
     undt = np.empty(nb, dtype=np.int64)
@@ -662,16 +685,15 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
             # screen can decide; the exact rule directly is cheaper
             _mx_exact_row(row, satb, sate, nsat, pf, winv, fp8, d0, d1)
         else:
-            _mx_screen(row, satb, sate, nsat, pf, s0v, s1v, fp8)
             nund = 0
-            for t in range(nsat):  # branch-free too (the outcome is data-dependent)
-                s0 = s0v[t]
-                s1 = s1v[t]
-                win = np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin)
-                lose = np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin)
+            for t in range(nsat):  # branch-free (the outcome is data-dependent)
+                blk = satb[t]
+                s0, s1 = _e2m1_screen(row, blk * BLOCK, pf[blk])
+                win = s1 < s0 * (np.float32(1.0) - margin)
+                lose = s1 > s0 * (np.float32(1.0) + margin)
                 winv[t] = win
                 # neither: too close for the screen, the exact rule decides
-                undb[nund] = satb[t]
+                undb[nund] = blk
                 unde[nund] = sate[t]
                 undt[nund] = t
                 nund += np.int64(not (win | lose))
