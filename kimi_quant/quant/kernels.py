@@ -253,6 +253,17 @@ def _as_i16(typingctx, x):
 
 
 @intrinsic
+def _i8_sat(typingctx, x):
+    """int32 -> int8, clamped to [-128, 127] (a saturating pack on x86, where a plain truncation
+    takes a byte shuffle per 128-bit lane)."""
+    def codegen(context, b, signature, args):
+        x = b.select(b.icmp_signed("<", args[0], _c32(127)), args[0], _c32(127))
+        x = b.select(b.icmp_signed(">", x, _c32(-128)), x, _c32(-128))
+        return b.trunc(x, _I8)
+    return types.int8(types.int32), codegen
+
+
+@intrinsic
 def _bf16_f32(typingctx, x):
     """bf16 bits x as float32 (uint16 -> float32, exact)."""
     def codegen(context, b, signature, args):
@@ -408,7 +419,7 @@ def _int4_row_codes(x, s, qrow, chunks, qsum):
         acc = np.float32(0.0)
         for k in range(L):
             t = min(max(np.rint(_bf16_f32(xc[k]) / s), lo), hi)
-            qc[k] = np.int8(np.int32(t))
+            qc[k] = _i8_sat(np.int32(t))
             acc += t
         qsum[c] = np.int64(acc)
 
