@@ -16,12 +16,12 @@ ALL_BF16 = np.arange(0, 0x7F80, dtype=np.uint32)
 
 @njit
 def _fp4_bytes(words, p, out):
-    for i in range(words.shape[0]):
-        out[i] = kn._fp4_byte(words[i], p)
+    for i in range(words.shape[0] // 16):
+        kn._fp4_block(words, 16 * i, p, out)
 
 
 def test_e2m1_code_every_bf16_times_every_scale():
-    """``_fp4_byte`` (the E2M1 code by float rounding) == numerics.e2m1_round's threshold rule for
+    """``_fp4_block`` (float32 lanes, the E2M1 code by float rounding) == numerics.e2m1_round's threshold rule for
     every bf16 magnitude times every scale 2^-e the MX kernel can use (e0 in [-127, 125], e1 = e0 + 1),
     in both nibbles and with both signs (a zero code keeps no sign)."""
     a = bf16_to_f32(ALL_BF16.astype(np.uint16))

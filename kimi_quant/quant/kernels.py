@@ -16,10 +16,11 @@ every rounding error; the rest take the exact float64 tree).
 
 Vector width: numba types uint16/uint32 arithmetic as 64-bit, which quarters the lanes of element
 loops, and only vectorises loops whose indices it can prove non-negative.  So the element-level
-bit work is done in small LLVM intrinsics (``_fp4_byte``, ``_fp8_byte``, ``_e2m1_err``, ...) that
-stay in 32-bit lanes, and inner loops run over slices indexed from 0.  Check with
+bit work is done in small LLVM intrinsics (``_fp4_block16``, ``_fp8_byte``, ``_e2m1_screen``, ...)
+that stay in 16- or 32-bit lanes (whole MX blocks as LLVM vectors), and inner loops run over slices
+indexed from 0.  Check with
 ``kernel.inspect_asm(kernel.signatures[0])`` under a fresh NUMBA_CACHE_DIR (cached code cannot be
-inspected): the hot loops should show zmm registers.
+inspected): the hot loops should show ymm (AVX2) or zmm (AVX-512) registers.
 
 The MX kernel skips the second exponent candidate when it provably cannot win (see the comment
 in ``_mx_kernel``); the reference always evaluates both, and the tests check they agree.
@@ -119,7 +120,8 @@ def _signed_ir(b, c, sign_bit):
 
 
 def _fp4_ir(b, wd, p):
-    """MXFP4 byte(s) (i8) of the bf16 pair(s) in i32 wd, magnitudes times float32 p (see ``_fp4_byte``).
+    """MXFP4 byte(s) (i8) of the bf16 pair(s) in i32 wd (element 2i in the low half), magnitudes times
+    float32 p (2^-e), E2M1 codes with sign, low nibble first.
     The signs of both nibbles at once: bit 15 -> 3, bit 31 -> 7, kept where the nibble is nonzero,
     i.e. where bit 3 of nibble + 7 is set (codes <= 7: no carry between the nibbles)."""
     ti = wd.type
@@ -133,18 +135,10 @@ def _fp4_ir(b, wd, p):
 
 
 @intrinsic
-def _fp4_byte(typingctx, wd, p):
-    """One output byte of MXFP4: the bf16 pair in uint32 word wd (element 2i in the low half),
-    magnitudes scaled by p (float32 2^-e), E2M1 codes with sign, low nibble first."""
-    def codegen(context, b, signature, args):
-        return _fp4_ir(b, args[0], args[1])
-    return types.uint8(types.uint32, types.float32), codegen
-
-
-@intrinsic
 def _fp4_block(typingctx, src, i0, p, dst):
-    """dst[i0 + j] = _fp4_byte(src[i0 + j], p) for j < 16, one MX block (src: uint32 words of bf16
-    pairs, dst: uint8, both 1-D contiguous): one 16-lane load, compute and store, without the
+    """dst[i0 + j] = the MXFP4 byte of bf16 pair src[i0 + j] scaled by p, for j < 16: one MX block in
+    float32 lanes (src: uint32 words of bf16 pairs, dst: uint8, both 1-D contiguous; the 16-bit
+    ``_fp4_block16`` serves all but tiny blocks): one 16-lane load, compute and store, without the
     per-block loop set-up (alias checks, remainder) a 16-iteration numba loop pays."""
     def codegen(context, b, signature, args):
         n = BLOCK // 2
@@ -623,8 +617,9 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     codes_out: uint8 [N, K/2] (fp8=False, E2M1 packed along K, low nibble first) or [N, K] (E4M3).
 
     Per row: (1) block maxima on the bf16 bits; (2) per block the OCP exponent e0, its scale and
-    whether the block saturates under e0; (3) codes of the whole row under e0, in vector lanes
-    (E2M1 two elements per uint32 word of bf16 pairs, packed straight into the output byte);
+    whether the block saturates under e0 (branch-free, vectorised); (3) codes of the whole row under
+    e0, one block per intrinsic call (E2M1: ``_fp4_block16`` on the bf16 bits, 16-bit lanes, packed
+    straight into the output bytes; blocks with e0 < FP4_I16_EMIN in float32 lanes, ``_fp4_block``);
     (4) the saturating blocks only: both candidates with their SSE, codes rewritten if e1 wins
     (E2M1: a float32 screen decides all but ~0.1% of them, see ``_e2m1_screen``, the rest take the
     exact float64 tree; E4M3: always the exact tree, a third of its saturating blocks tie exactly).
