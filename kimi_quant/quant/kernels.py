@@ -11,15 +11,16 @@ Bit identity with the reference rests on doing the same IEEE operations in the s
 float32 division ``w / s``, ``rint`` (half to even), float64 sums that are either exact
 (int4: integer-valued terms) or follow the same fixed halving tree (MX block errors).
 Nothing here uses fastmath, except where the sums are exact whatever the order: the int4 code
-sums, and the MX float32 SSE screen (``_mx_screen``: it only decides blocks whose margin exceeds
+sums, and the MX float32 SSE screen (``_e2m1_screen``: it only decides blocks whose margin exceeds
 every rounding error; the rest take the exact float64 tree).
 
 Vector width: numba types uint16/uint32 arithmetic as 64-bit, which quarters the lanes of element
 loops, and only vectorises loops whose indices it can prove non-negative.  So the element-level
-bit work is done in small LLVM intrinsics (``_fp4_byte``, ``_fp8_byte``, ``_e2m1_err``, ...) that
-stay in 32-bit lanes, and inner loops run over slices indexed from 0.  Check with
+bit work is done in small LLVM intrinsics (``_fp4_block16``, ``_fp8_byte``, ``_e2m1_screen``, ...)
+that stay in 16- or 32-bit lanes (whole MX blocks as LLVM vectors), and inner loops run over slices
+indexed from 0.  Check with
 ``kernel.inspect_asm(kernel.signatures[0])`` under a fresh NUMBA_CACHE_DIR (cached code cannot be
-inspected): the hot loops should show zmm registers.
+inspected): the hot loops should show ymm (AVX2) or zmm (AVX-512) registers.
 
 The MX kernel skips the second exponent candidate when it provably cannot win (see the comment
 in ``_mx_kernel``); the reference always evaluates both, and the tests check they agree.
@@ -75,32 +76,123 @@ def _f32_as_u32(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
+def _k(ty, v):
+    """Constant v of type ty, splat when ty is a vector type (the helpers below build either)."""
+    return ir.Constant(ty, [v] * ty.count) if isinstance(ty, ir.VectorType) else ir.Constant(ty, v)
+
+
+def _as(ty, elem):
+    """ty (scalar or vector) with its element type replaced by elem."""
+    return ir.VectorType(elem, ty.count) if isinstance(ty, ir.VectorType) else elem
+
+
 def _e2m1_code_ir(b, y):
-    """numerics.e2m1_round code of float32 y >= 0 (i32): the number of thresholds passed."""
-    c = _c32(0)
-    for t, inclusive in E2M1_THRESHOLDS:
-        cmp = b.fcmp_ordered(">=" if inclusive else ">", y, ir.Constant(_F32, t))
-        c = b.add(c, b.zext(cmp, _I32))
-    return c
+    """numerics.e2m1_round code of float32 y >= 0 (i32; or a vector of them), by float rounding
+    instead of the 7 threshold comparisons of E2M1_THRESHOLDS (fewer vector ops).
+
+    As in ``_e2m1_err``: with c = 2^(max(ey, 0) + 22) (ey = floor(log2 y)), s = y + c rounds y half
+    to even onto the E2M1 spacing of y's binade (0.5 below 2, then 2^(ey-1)), which is the
+    threshold pattern; s stays in c's binade, so bits(s) - bits(c) = k, the number of spacings.
+    The codes of binade ey >= 0 start at 2 ey (1 -> 2, 2 -> 4, 4 -> 6), below 1 at 0, so
+    code = k + 2 max(ey, 0).  Saturation: y is first clamped to the float32 just below 7, which
+    rounds to 6 (code 7) like every y > 5, so the code never exceeds 7 and c stays finite."""
+    ti = _as(y.type, _I32)
+    u = b.bitcast(y, ti)
+    u = b.select(b.icmp_unsigned("<", u, _k(ti, 0x40DFFFFF)), u, _k(ti, 0x40DFFFFF))  # min(y, 7 - ulp)
+    e = b.select(b.icmp_unsigned(">", u, _k(ti, 0x3F800000)), u, _k(ti, 0x3F800000))  # max(y, 1)
+    cb = b.add(b.and_(e, _k(ti, 0x7F800000)), _k(ti, 22 << 23))  # bits of c
+    k = b.sub(b.bitcast(b.fadd(b.bitcast(u, y.type), b.bitcast(cb, y.type)), ti), cb)
+    return b.add(k, b.lshr(b.sub(cb, _k(ti, 149 << 23)), _k(ti, 22)))  # + 2 max(ey, 0)
+
+
+@intrinsic
+def _e2m1_code_f32(typingctx, y):
+    """``_e2m1_code_ir`` of float32 y >= 0 as uint8 (for the tests)."""
+    def codegen(context, b, signature, args):
+        return b.trunc(_e2m1_code_ir(b, args[0]), _I8)
+    return types.uint8(types.float32), codegen
 
 
 def _signed_ir(b, c, sign_bit):
     """c | sign_bit unless c == 0 (zero magnitudes stay +0); sign_bit is 0 or the code's sign bit (i32)."""
-    return b.or_(c, b.select(b.icmp_unsigned("!=", c, _c32(0)), sign_bit, _c32(0)))
+    z = _k(c.type, 0)
+    return b.or_(c, b.select(b.icmp_unsigned("!=", c, z), sign_bit, z))
+
+
+def _fp4_ir(b, wd, p):
+    """MXFP4 byte(s) (i8) of the bf16 pair(s) in i32 wd (element 2i in the low half), magnitudes times
+    float32 p (2^-e), E2M1 codes with sign, low nibble first.
+    The signs of both nibbles at once: bit 15 -> 3, bit 31 -> 7, kept where the nibble is nonzero,
+    i.e. where bit 3 of nibble + 7 is set (codes <= 7: no carry between the nibbles)."""
+    ti = wd.type
+    lo = b.fmul(b.bitcast(b.and_(b.shl(wd, _k(ti, 16)), _k(ti, 0x7FFF0000)), p.type), p)
+    hi = b.fmul(b.bitcast(b.and_(wd, _k(ti, 0x7FFF0000)), p.type), p)
+    c = b.or_(_e2m1_code_ir(b, lo), b.shl(_e2m1_code_ir(b, hi), _k(ti, 4)))
+    sg = b.and_(wd, _k(ti, 0x80008000))
+    sg = b.or_(b.lshr(sg, _k(ti, 12)), b.lshr(sg, _k(ti, 24)))  # bits 3, 7 (and 19, cleared below)
+    c = b.or_(c, b.and_(sg, b.add(c, _k(ti, 0x77))))
+    return b.trunc(c, _as(ti, _I8))
 
 
 @intrinsic
-def _fp4_byte(typingctx, wd, p):
-    """One output byte of MXFP4: the bf16 pair in uint32 word wd (element 2i in the low half),
-    magnitudes scaled by p (float32 2^-e), E2M1 codes with sign, low nibble first."""
+def _fp4_block(typingctx, src, i0, p, dst):
+    """dst[i0 + j] = the MXFP4 byte of bf16 pair src[i0 + j] scaled by p, for j < 16: one MX block in
+    float32 lanes (src: uint32 words of bf16 pairs, dst: uint8, both 1-D contiguous; the 16-bit
+    ``_fp4_block16`` serves all but tiny blocks): one 16-lane load, compute and store, without the
+    per-block loop set-up (alias checks, remainder) a 16-iteration numba loop pays."""
     def codegen(context, b, signature, args):
-        wd, p = args
-        lo = b.fmul(b.bitcast(b.and_(b.shl(wd, _c32(16)), _c32(0x7FFF0000)), _F32), p)
-        hi = b.fmul(b.bitcast(b.and_(wd, _c32(0x7FFF0000)), _F32), p)
-        clo = _signed_ir(b, _e2m1_code_ir(b, lo), b.and_(b.lshr(wd, _c32(12)), _c32(8)))
-        chi = _signed_ir(b, _e2m1_code_ir(b, hi), b.and_(b.lshr(wd, _c32(28)), _c32(8)))
-        return b.trunc(b.or_(clo, b.shl(chi, _c32(4))), _I8)
-    return types.uint8(types.uint32, types.float32), codegen
+        n = BLOCK // 2
+        sa = context.make_array(signature.args[0])(context, b, args[0])
+        da = context.make_array(signature.args[3])(context, b, args[3])
+        vi = ir.VectorType(_I32, n)
+        vf = ir.VectorType(_F32, n)
+        wd = b.load(b.bitcast(b.gep(sa.data, [args[1]]), vi.as_pointer()), align=4)
+        pv = b.insert_element(ir.Constant(vf, ir.Undefined), args[2], _c32(0))
+        pv = b.shuffle_vector(pv, ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * n))
+        b.store(_fp4_ir(b, wd, pv), b.bitcast(b.gep(da.data, [args[1]]), ir.VectorType(_I8, n).as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.none(src, i0, types.float32, dst), codegen
+
+
+#: E2M1 thresholds as bf16 bit patterns, every one made inclusive (y > t  <=>  bits >= bits(t) + 1)
+_E2M1_T16 = [int(np.float32(t).view(np.uint32) >> 16) + (0 if inc else 1) for t, inc in E2M1_THRESHOLDS]
+
+#: smallest scale exponent e for which ``_fp4_block16`` is exact (see there)
+FP4_I16_EMIN = -124
+
+
+@intrinsic
+def _fp4_block16(typingctx, src, k0, sh, dst):
+    """dst[k0 / 2 + j] = the MXFP4 bytes of bf16 src[k0 : k0 + 32] (one block) scaled by 2^-e, with
+    sh = e << 7, e >= FP4_I16_EMIN, in 16-bit lanes (twice the lanes of ``_fp4_block``).
+
+    y = |x| 2^-e is exact in bf16, so its bits are |x|'s minus e << 7 (the exponent field), compared
+    with the bf16 thresholds.  Exact whenever y is a normal bf16.  Otherwise the code is 0 either
+    way: y < 2^-126 gives bits <= 127 or negative (signed compares; a subnormal x gives bits below
+    0x3E80 = 0.25 while e >= -124), the true y is below 0.25; the subtraction saturates (vpsubsw),
+    so a huge y stays >= every threshold (code 7) and a tiny one below them."""
+    def codegen(context, b, signature, args):
+        n = BLOCK
+        sa = context.make_array(signature.args[0])(context, b, args[0])
+        da = context.make_array(signature.args[3])(context, b, args[3])
+        v16 = ir.VectorType(_I16, n)
+        x = b.load(b.bitcast(b.gep(sa.data, [args[1]]), v16.as_pointer()), align=2)
+        shv = b.insert_element(ir.Constant(v16, ir.Undefined), b.trunc(args[2], _I16), _c32(0))
+        shv = b.shuffle_vector(shv, ir.Constant(v16, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), [0] * n))
+        ssub = cgutils.get_or_insert_function(b.module, ir.FunctionType(v16, [v16, v16]), "llvm.ssub.sat.v32i16")
+        yb = b.call(ssub, [b.and_(x, _k(v16, 0x7FFF)), shv])
+        c = _k(v16, 0)
+        for t in _E2M1_T16:
+            c = b.add(c, b.zext(b.icmp_signed(">=", yb, _k(v16, t)), v16))
+        # sign (bit 15 -> bit 3) where the code is nonzero (bit 3 of code + 7)
+        c = b.or_(c, b.and_(b.and_(b.lshr(x, _k(v16, 12)), _k(v16, 8)), b.add(c, _k(v16, 7))))
+        # element 2i (low half of each 32-bit pair) -> low nibble, 2i + 1 -> high nibble
+        v32 = b.bitcast(c, ir.VectorType(_I32, n // 2))
+        byte = b.trunc(b.or_(v32, b.lshr(v32, _k(v32.type, 12))), ir.VectorType(_I8, n // 2))
+        b.store(byte, b.bitcast(b.gep(da.data, [b.sdiv(args[1], ir.Constant(args[1].type, 2))]),
+                                ir.VectorType(_I8, n // 2).as_pointer()), align=1)
+        return context.get_dummy_value()
+    return types.none(src, k0, sh, dst), codegen
 
 
 @intrinsic
@@ -144,6 +236,25 @@ def _abs16(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.and_(args[0], ir.Constant(_I16, 0x7FFF))
     return types.uint16(types.uint16), codegen
+
+
+@intrinsic
+def _as_i16(typingctx, x):
+    """uint16 bits as int16 (the same i16 register)."""
+    def codegen(context, builder, signature, args):
+        return args[0]
+    return types.int16(types.uint16), codegen
+
+
+@intrinsic
+def _i8_sat(typingctx, x):
+    """int32 -> int8, clamped to [-128, 127] (a saturating pack on x86, where a plain truncation
+    takes a byte shuffle per 128-bit lane)."""
+    def codegen(context, b, signature, args):
+        x = b.select(b.icmp_signed("<", args[0], _c32(127)), args[0], _c32(127))
+        x = b.select(b.icmp_signed(">", x, _c32(-128)), x, _c32(-128))
+        return b.trunc(x, _I8)
+    return types.int8(types.int32), codegen
 
 
 @intrinsic
@@ -247,21 +358,30 @@ def int8_kernel(w, q_out, s_out):
 
 
 @njit(cache=True)
-def _int4_row(w, n, xu, qrow, qsum, s_out, bias_out):
+def _bf16_range(x):
+    """(hi, lo, m) of bf16 bits x: max(x, 0), min(x, 0) as float32 and the largest |bits|.
+
+    Integer reductions on the bits (which vectorise; float max / min reductions do not without
+    fast-math): as int16, the bits of non-negative floats are >= 0 and ordered like the floats, so
+    smax = max(int16 bits, 0) is the bits of max(x, 0); as uint16, negative floats are above all
+    non-negative ones and ordered by magnitude, so umax is the most negative value's bits if any
+    is negative (umax >= 0x8000).  m = max(smax, umax & 0x7FFF): >= 0x7F80 iff x has a NaN/Inf."""
+    smax = np.int16(0)
+    umax = np.uint16(0)
+    for k in range(x.shape[0]):
+        b = x[k]
+        smax = max(smax, _as_i16(b))
+        umax = max(umax, b)
+    hi = _bf16_f32(np.uint16(smax))
+    lo = _bf16_f32(umax) if umax >= 0x8000 else np.float32(0.0)
+    return hi, lo, max(np.uint16(smax), _abs16(umax))
+
+
+@njit(cache=True)
+def _int4_row(w, n, qrow, qsum, s_out, bias_out):
     """Row n: its scale (``numerics.int4_scale``), scale_bias, and its codes in qrow; -1, or n if non-finite."""
     row = w[n]
-    K = row.shape[0]
-    xf = xu.view(np.float32)
-    hi = np.float32(0.0)  # max(w, 0)
-    lo = np.float32(0.0)  # min(w, 0)
-    m = np.uint16(0)
-    for k in range(K):
-        b = row[k]
-        x = _bf16_f32(b)
-        xf[k] = x
-        hi = max(hi, x)
-        lo = min(lo, x)
-        m = max(m, _abs16(b))
+    hi, lo, m = _bf16_range(row)
     if m >= 0x7F80:
         return n
     s = max(hi / np.float32(7.0), -lo / np.float32(8.0))
@@ -271,7 +391,7 @@ def _int4_row(w, n, xu, qrow, qsum, s_out, bias_out):
         s = np.float32(_nm.INT4_MIN_SCALE)
     s_out[n, 0] = s
     chunks = qsum.shape[0]
-    _int4_row_codes(xf, s, qrow, chunks, qsum)
+    _int4_row_codes(row, s, qrow, chunks, qsum)
     sd = np.float64(s)
     for c in range(chunks):
         bias_out[n, c] = np.float32(8.0 * np.float64(qsum[c]) * sd)
@@ -279,21 +399,21 @@ def _int4_row(w, n, xu, qrow, qsum, s_out, bias_out):
 
 
 @njit(cache=True, fastmath={"reassoc"})
-def _int4_row_codes(xf, s, qrow, chunks, qsum):
-    """Codes of one row into qrow (int8), q = clip(rint(x / s), -8, 7), and their sums over
-    ``chunks`` contiguous K chunks.  The sums are of integers, |sum| <= 8 * K < 2^24: exact in
+def _int4_row_codes(x, s, qrow, chunks, qsum):
+    """Codes of bf16 bits x into qrow (int8), q = clip(rint(x / s), -8, 7), and their sums over
+    ``chunks`` contiguous chunks.  The sums are of integers, |sum| <= 8 * K < 2^24: exact in
     float32 in any order (the only fast-math op)."""
-    K = xf.shape[0]
+    K = x.shape[0]
     lo = np.float32(-8.0)
     hi = np.float32(7.0)
     L = K // chunks
     for c in range(chunks):
-        xc = xf[c * L:(c + 1) * L]  # slices: indices from 0 vectorise
+        xc = x[c * L:(c + 1) * L]  # slices: indices from 0 vectorise
         qc = qrow[c * L:(c + 1) * L]
         acc = np.float32(0.0)
         for k in range(L):
-            t = min(max(np.rint(xc[k] / s), lo), hi)
-            qc[k] = np.int8(np.int32(t))
+            t = min(max(np.rint(_bf16_f32(xc[k]) / s), lo), hi)
+            qc[k] = _i8_sat(np.int32(t))
             acc += t
         qsum[c] = np.int64(acc)
 
@@ -302,15 +422,14 @@ def _int4_row_codes(xf, s, qrow, chunks, qsum):
 def int4_kernel(w, packed_out, s_out, bias_out):
     """W4A8_DYNAMIC: packed_out int8 [N/2, K], s_out float32 [N, 1], bias_out float32 [N, chunks]."""
     N, K = w.shape
-    xu = np.empty(K, dtype=np.uint32)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
     qsum = np.empty(bias_out.shape[1], dtype=np.int64)
     for j in range(N // 2):
-        bad = _int4_row(w, 2 * j, xu, q0, qsum, s_out, bias_out)
+        bad = _int4_row(w, 2 * j, q0, qsum, s_out, bias_out)
         if bad >= 0:
             return bad
-        bad = _int4_row(w, 2 * j + 1, xu, q1, qsum, s_out, bias_out)
+        bad = _int4_row(w, 2 * j + 1, q1, qsum, s_out, bias_out)
         if bad >= 0:
             return bad
         for k in range(K):
@@ -334,29 +453,18 @@ def _fp16_ceil(s):
 
 
 @njit(cache=True)
-def _int4_group_row(w, n, group, seg, xu, qrow, qseg, s_out, bias_out):
+def _int4_group_row(w, n, group, seg, qrow, qseg, s_out, bias_out):
     """Row n of per-group int4: group scales (``numerics.int4_group_scale``), codes in qrow, and
     scale_bias (``numerics.int4_group_scale_bias``: integer sums over segments of ``seg`` inputs,
     which never straddle a group or a chunk); -1, or n if non-finite."""
     row = w[n]
     K = row.shape[0]
-    xf = xu.view(np.float32)
-    m = np.uint16(0)
-    for k in range(K):
-        b = row[k]
-        xf[k] = _bf16_f32(b)
-        m = max(m, _abs16(b))
-    if m >= 0x7F80:
-        return n
     per = group // seg
     for g in range(K // group):
-        xg = xf[g * group:(g + 1) * group]
-        hi = np.float32(0.0)
-        lo = np.float32(0.0)
-        for k in range(group):
-            x = xg[k]
-            hi = max(hi, x)
-            lo = min(lo, x)
+        xg = row[g * group:(g + 1) * group]
+        hi, lo, m = _bf16_range(xg)
+        if m >= 0x7F80:
+            return n
         if hi > 0 or lo < 0:
             s = _fp16_ceil(max(hi / np.float32(7.0), -lo / np.float32(8.0)))
         else:
@@ -385,15 +493,14 @@ def int4_group_kernel(w, group, seg, packed_out, s_out, bias_out):
     """W4A8_DYNAMIC per group: packed_out int8 [N/2, K], s_out float32 [N, K/group]
     (weight_scale_second), bias_out float32 [N, chunks]; seg = gcd(group, K / chunks)."""
     N, K = w.shape
-    xu = np.empty(K, dtype=np.uint32)
     q0 = np.empty(K, dtype=np.int8)
     q1 = np.empty(K, dtype=np.int8)
     qseg = np.empty(K // seg, dtype=np.int64)
     for j in range(N // 2):
-        bad = _int4_group_row(w, 2 * j, group, seg, xu, q0, qseg, s_out, bias_out)
+        bad = _int4_group_row(w, 2 * j, group, seg, q0, qseg, s_out, bias_out)
         if bad >= 0:
             return bad
-        bad = _int4_group_row(w, 2 * j + 1, group, seg, xu, q1, qseg, s_out, bias_out)
+        bad = _int4_group_row(w, 2 * j + 1, group, seg, q1, qseg, s_out, bias_out)
         if bad >= 0:
             return bad
         for k in range(K):
@@ -423,36 +530,61 @@ def _tree64(d):
 MX_SCREEN_MARGIN = np.float32(2.0**-12)
 
 
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _mx_screen(row, satb, sate, nsat, pf, s0o, s1o, fp8):
-    """(S0, S1) = float32 sums of d0^2, d1^2 (any order) of each saturating block t of a row.
+def _splat(b, vty, x):
+    v = b.insert_element(ir.Constant(vty, ir.Undefined), x, _c32(0))
+    return b.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _halving_sum(b, v):
+    """Sum of the lanes of float vector v by the fixed halving tree (lanes j + j + h)."""
+    while v.type.count > 1:
+        h = v.type.count // 2
+        v = b.fadd(b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h)))),
+                   b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, 2 * h)))))
+    return b.extract_element(v, _c32(0))
+
+
+@intrinsic
+def _e2m1_screen(typingctx, row, k0, p0):
+    """(S0, S1) = float32 sums of d0^2 and (2 d1)^2 over the block row[k0 : k0 + 32] (bf16 bits), d0 and
+    d1 the E2M1 rounding errors under scales 2^-e0 (p0) and 2^-e1, e1 = e0 + 1 (a saturating block).
+
+    d0 as ``_e2m1_err`` (y < 8 here).  2 d1 without a second product: y1 = y0 / 2, so
+    2 (y1 - round(y1)) = y0 - round2(y0), round2 onto twice the E2M1 grid {0, 1, 2, 3, 4, 6, 8}
+    (spacing 1 below 4, 2 in [4, 8); y0 < 8 never saturates it): c = 2^(max(ey, 1) + 22).  Exact
+    when y1 is a normal float32; below, both are < 2^-125, whose squares vanish next to S0 >= 2^-10.
 
     Why a screen is exact: d = y - v is exact in float32 (as in the reference), so with T0, T1 the
-    exact sums, |S - T| <= ~33 * 2^-24 T (each square and each addition rounds once; squares that
-    underflow to float32 subnormals add < 2^-149 each, negligible as T0 >= 2^-10 for a saturating
-    E2M1 block), and the reference's float64 trees are within ~6 * 2^-53 T.  So when
-    4 S1 < S0 (1 - margin) with margin = 2^-12, 4 T1 < T0 (1 - 2^-13) and the reference's
-    4 tree(d1^2) < tree(d0^2) holds too (e1 wins); when 4 S1 > S0 (1 + margin) it fails (e0).
-    Anything in between goes to ``_mx_exact_row``.  The only fast-math ops here are the sums."""
-    for t in range(nsat):
-        k0 = satb[t] * BLOCK
-        blk = row[k0:k0 + BLOCK]
-        p0 = pf[satb[t]]
-        p1 = _u32_as_f32(np.uint32(127 - sate[t]) << 23)
-        s0 = np.float32(0.0)
-        s1 = np.float32(0.0)
-        for j in range(BLOCK):
-            a = _bf16_abs_f32(blk[j])
-            if fp8:
-                d0 = _e4m3_err(a * p0)
-                d1 = _e4m3_err(a * p1)
-            else:
-                d0 = _e2m1_err(a * p0)
-                d1 = _e2m1_err(a * p1)
-            s0 += d0 * d0
-            s1 += d1 * d1
-        s0o[t] = s0
-        s1o[t] = s1
+    exact sums, |S - T| <= ~6 * 2^-24 T (each square rounds once, then 5 levels of additions;
+    squares that underflow to float32 subnormals add < 2^-149 each, negligible as T0 >= 2^-10 for a
+    saturating E2M1 block: its largest y0 > 6 is >= 6 + 2^-5), and the reference's float64 trees
+    are within ~6 * 2^-53 T.  So when S1 < S0 (1 - margin) with margin = 2^-12, 4 T1 < T0 (1 - 2^-13)
+    and the reference's 4 tree(d1^2) < tree(d0^2) holds too (e1 wins); when S1 > S0 (1 + margin)
+    it fails (e0).  Anything in between goes to ``_mx_exact_row``."""
+    def codegen(context, b, signature, args):
+        n = BLOCK
+        ra = context.make_array(signature.args[0])(context, b, args[0])
+        v16 = ir.VectorType(_I16, n)
+        vi = ir.VectorType(_I32, n)
+        vf = ir.VectorType(_F32, n)
+        x = b.load(b.bitcast(b.gep(ra.data, [args[1]]), v16.as_pointer()), align=2)
+        a = b.bitcast(b.shl(b.zext(b.and_(x, _k(v16, 0x7FFF)), vi), _k(vi, 16)), vf)
+        y = b.fmul(a, _splat(b, vf, args[2]))
+        u = b.bitcast(y, vi)
+
+        def rounded(lo_bits):  # (y + c) - c, c = 2^(max(ey, ey(lo)) + 22)
+            m = b.select(b.icmp_unsigned(">", u, _k(vi, lo_bits)), u, _k(vi, lo_bits))
+            c = b.bitcast(b.add(b.and_(m, _k(vi, 0x7F800000)), _k(vi, 22 << 23)), vf)
+            return b.fsub(b.fadd(y, c), c)
+
+        v0 = rounded(0x3F800000)
+        v0 = b.select(b.fcmp_ordered("<", v0, _k(vf, 6.0)), v0, _k(vf, 6.0))
+        d0 = b.fsub(y, v0)
+        d1 = b.fsub(y, rounded(0x40000000))
+        s0 = _halving_sum(b, b.fmul(d0, d0))
+        s1 = _halving_sum(b, b.fmul(d1, d1))
+        return context.make_tuple(b, signature.return_type, [s0, s1])
+    return types.UniTuple(types.float32, 2)(row, k0, types.float32), codegen
 
 
 @njit(cache=True)
@@ -485,10 +617,11 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     codes_out: uint8 [N, K/2] (fp8=False, E2M1 packed along K, low nibble first) or [N, K] (E4M3).
 
     Per row: (1) block maxima on the bf16 bits; (2) per block the OCP exponent e0, its scale and
-    whether the block saturates under e0; (3) codes of the whole row under e0, in vector lanes
-    (E2M1 two elements per uint32 word of bf16 pairs, packed straight into the output byte);
+    whether the block saturates under e0 (branch-free, vectorised); (3) codes of the whole row under
+    e0, one block per intrinsic call (E2M1: ``_fp4_block16`` on the bf16 bits, 16-bit lanes, packed
+    straight into the output bytes; blocks with e0 < FP4_I16_EMIN in float32 lanes, ``_fp4_block``);
     (4) the saturating blocks only: both candidates with their SSE, codes rewritten if e1 wins
-    (E2M1: a float32 screen decides all but ~0.1% of them, see ``_mx_screen``, the rest take the
+    (E2M1: a float32 screen decides all but ~0.1% of them, see ``_e2m1_screen``, the rest take the
     exact float64 tree; E4M3: always the exact tree, a third of its saturating blocks tie exactly).
     Skipping (4) for the other blocks is exact: when no element saturates under e0 (y <= ymax_elem),
     the e1 grid restricted to [0, ymax] is a subset of the e0 grid, so every element's e0 error is
@@ -496,14 +629,14 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     """
     N, K = w.shape
     nb = K // BLOCK
-    bm = np.empty(nb, dtype=np.uint16)
     pf = np.empty(nb, dtype=np.float32)
+    ev = np.empty(nb, dtype=np.int32)
+    bm = np.empty(nb, dtype=np.uint16)
+    satf = np.empty(nb, dtype=np.bool_)
     satb = np.empty(nb, dtype=np.int64)
     sate = np.empty(nb, dtype=np.int32)
     winv = np.empty(nb, dtype=np.bool_)
     winu = np.empty(nb, dtype=np.bool_)
-    s0v = np.empty(nb, dtype=np.float32)
-    s1v = np.empty(nb, dtype=np.float32)
     undb = np.empty(nb, dtype=np.int64)
     unde = np.empty(nb, dtype=np.int32)
     undt = np.empty(nb, dtype=np.int64)
@@ -512,28 +645,32 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
     ymax = np.float32(448.0) if fp8 else np.float32(6.0)
     for n in range(N):
         row = w[n]
+        srow = scale_out[n]
         for blk in range(nb):
             bm[blk] = _block_absmax(row, blk * BLOCK)
+        mx = np.uint16(0)
+        for blk in range(nb):
+            mx = max(mx, bm[blk])
+        if mx >= 0x7F80:
+            return n
+        # per block, branch-free and vectorised (whether a block saturates is data-dependent, ~40%
+        # of them: a branch per block mispredicts); the saturating ones are listed after
+        for blk in range(nb):
+            m = np.int32(bm[blk])
+            E = max(m >> 7, 1) - 127  # floor(log2(amax)); subnormal amax: -126, clamped below like -127
+            e0 = max(E - emax_elem, -127)
+            p0 = _u32_as_f32(np.uint32(127 - e0) << 23)
+            zero = m == 0
+            pf[blk] = np.float32(0.0) if zero else p0  # all-zero block: every y is 0, codes 0
+            ev[blk] = 0 if zero else e0
+            srow[blk] = np.uint8(E8M0_ZERO_BLOCK if zero else e0 + 127)
+            # saturates under e0, and e1 = e0 + 1 differs from e0 (not clamped at -127)
+            satf[blk] = (E - emax_elem + 1 > -127) & (_u32_as_f32(np.uint32(m) << 16) * p0 > ymax)
         nsat = 0
         for blk in range(nb):
-            m = bm[blk]
-            if m >= 0x7F80:
-                return n
-            if m == 0:
-                scale_out[n, blk] = E8M0_ZERO_BLOCK
-                pf[blk] = np.float32(0.0)  # every y is 0: codes 0
-                continue
-            ex = np.int32(m >> 7)
-            E = ex - 127 if ex > 0 else -127
-            e0 = max(E - emax_elem, -127)
-            e1 = max(E - emax_elem + 1, -127)
-            p0 = _u32_as_f32(np.uint32(127 - e0) << 23)
-            pf[blk] = p0
-            scale_out[n, blk] = np.uint8(e0 + 127)
-            if e1 != e0 and _u32_as_f32(np.uint32(m) << 16) * p0 > ymax:
-                satb[nsat] = blk
-                sate[nsat] = e1
-                nsat += 1
+            satb[nsat] = blk
+            sate[nsat] = ev[blk] + 1
+            nsat += np.int64(satf[blk])
         orow = codes_out[n]
         if fp8:
             for blk in range(nb):
@@ -541,32 +678,31 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
                 k0 = blk * BLOCK
                 for j in range(BLOCK):
                     orow[k0 + j] = _fp8_byte(row[k0 + j], p)
-        else:
-            row32 = row.view(np.uint32)
+        row32 = row.view(np.uint32)
+        if not fp8:
             for blk in range(nb):
-                p = pf[blk]
-                h0 = blk * (BLOCK // 2)
-                for i in range(BLOCK // 2):
-                    orow[h0 + i] = _fp4_byte(row32[h0 + i], p)
+                e = ev[blk]
+                if e >= FP4_I16_EMIN:
+                    _fp4_block16(row, blk * BLOCK, e << 7, orow)
+                else:  # amax < 2^-122 (subnormal products): float32 lanes
+                    _fp4_block(row32, blk * (BLOCK // 2), pf[blk], orow)
         if fp8:
             # E4M3: about a third of the saturating blocks tie exactly (4 sse1 == sse0), which no
             # screen can decide; the exact rule directly is cheaper
             _mx_exact_row(row, satb, sate, nsat, pf, winv, fp8, d0, d1)
         else:
-            _mx_screen(row, satb, sate, nsat, pf, s0v, s1v, fp8)
             nund = 0
-            for t in range(nsat):
-                s0 = s0v[t]
-                s1 = s1v[t]
-                if np.float32(4.0) * s1 < s0 * (np.float32(1.0) - margin):
-                    winv[t] = True
-                elif np.float32(4.0) * s1 > s0 * (np.float32(1.0) + margin):
-                    winv[t] = False
-                else:  # too close for the screen: the exact rule
-                    undb[nund] = satb[t]
-                    unde[nund] = sate[t]
-                    undt[nund] = t
-                    nund += 1
+            for t in range(nsat):  # branch-free (the outcome is data-dependent)
+                blk = satb[t]
+                s0, s1 = _e2m1_screen(row, blk * BLOCK, pf[blk])
+                win = s1 < s0 * (np.float32(1.0) - margin)
+                lose = s1 > s0 * (np.float32(1.0) + margin)
+                winv[t] = win
+                # neither: too close for the screen, the exact rule decides
+                undb[nund] = blk
+                unde[nund] = sate[t]
+                undt[nund] = t
+                nund += np.int64(not (win | lose))
             if nund > 0:
                 _mx_exact_row(row, undb, unde, nund, pf, winu, fp8, d0, d1)
                 for i in range(nund):
@@ -582,10 +718,10 @@ def _mx_kernel(w, codes_out, scale_out, emax_elem, fp8, margin):
                 if fp8:
                     for j in range(BLOCK):
                         orow[k0 + j] = _fp8_byte(row[k0 + j], p1)
+                elif e1 >= FP4_I16_EMIN:
+                    _fp4_block16(row, k0, e1 << 7, orow)
                 else:
-                    row32 = row.view(np.uint32)
-                    for i in range(BLOCK // 2):
-                        orow[k0 // 2 + i] = _fp4_byte(row32[k0 // 2 + i], p1)
+                    _fp4_block(row32, k0 // 2, p1, orow)
     return -1
 
 
