@@ -13,8 +13,8 @@ C: core-seconds (input bytes x the rate of their scheme); N: workers that run at
 this machine for the local executor, the cluster's for Ray; since shards are split into parts, no
 longer capped by the number of output shards); D / L: a hub source's bytes over the download link
 (``link_bps``, when given: the driver downloads for every worker, so with enough nodes the link is
-the limit). The rates are stored (``rates_path``) and reused until the tool version or the CPU
-changes; ``plan --remeasure`` takes them again.
+the limit). The rates are stored (``rates_path``) and reused until the tool version, the CPU or the
+measured code (``code_fingerprint``) changes; ``plan --remeasure`` takes them again.
 
 Not in the estimate: reading a source that is not in the page cache (a disk slower than the
 codecs bounds the run instead), and the few per cent that splitting the last shards costs.
@@ -68,12 +68,25 @@ class Rates:
     cpu: str
     tool_version: str
     measured_at: str
+    code: str = ""  # ``code_fingerprint()`` of the code measured
     where: str = ""  # "measured now" or the file they were read from (not stored)
 
     def to_json(self) -> dict:
         d = asdict(self)
         d.pop("where")
         return d
+
+
+def code_fingerprint() -> str:
+    """BLAKE2b of the sources whose speed the rates measure (codecs, kernels, the unit, the writers): a
+    development install whose kernels changed re-measures, as a new version does."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent
+    h = hashlib.blake2b(digest_size=8)
+    for f in sorted([*(root / "quant").glob("*.py"), root / "executor" / "unit.py", *(root / "write").glob("*.py")]):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
 
 
 def _cpu_time(fn, repeat: int = 3) -> float:
@@ -115,7 +128,8 @@ def measure_rates() -> Rates:
                            _outputs(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
             per_byte[scheme] = _cpu_time(lambda: convert_unit(unit, {src.name: str(src)}, d)) / unit.in_bytes
     return Rates(per_byte=per_byte, cpu=_cpu_name(), tool_version=__version__,
-                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), where="measured now")
+                 measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), code=code_fingerprint(),
+                 where="measured now")
 
 
 def rates_path() -> Path:
@@ -130,7 +144,7 @@ def load_rates(remeasure: bool = False, on_measure=None) -> Rates:
         try:
             d = json.loads(path.read_text())
             r = Rates(**d)
-            if r.tool_version == __version__ and r.cpu == _cpu_name() and r.per_byte:
+            if r.tool_version == __version__ and r.cpu == _cpu_name() and r.code == code_fingerprint() and r.per_byte:
                 r.where = str(path)
                 return r
         except (OSError, ValueError, TypeError):

@@ -423,3 +423,30 @@ def test_demo_output_is_ignored_by_git():
     assert "/kimi-quant-demo/" in (root / ".gitignore").read_text().splitlines()
     readme = (root / "README.md").read_text()
     assert "install_olah.sh" in readme and "cos_min" in readme and "KIMI_QUANT_CACHE" in readme
+
+
+def test_stored_rates_are_remeasured_when_the_measured_code_changes(tmp_path, monkeypatch):
+    """`plan` reuses the codec rates it measured, but not across a change of the kernels or writers
+    (a development install keeps its version number): the stored code fingerprint must match."""
+    import json
+
+    from kimi_quant import estimate
+
+    monkeypatch.setenv("KIMI_QUANT_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_measure():
+        measured.append(1)
+        return estimate.Rates({"FLOAT": 1e-9}, estimate._cpu_name(), estimate.__version__, "now",
+                              code=estimate.code_fingerprint())
+
+    monkeypatch.setattr(estimate, "measure_rates", fake_measure)
+    estimate.load_rates()
+    estimate.load_rates()
+    assert len(measured) == 1  # stored, then reused
+    path = estimate.rates_path()
+    stored = json.loads(path.read_text())
+    assert stored["code"] == estimate.code_fingerprint()
+    path.write_text(json.dumps({**stored, "code": "0" * 16}))  # measured with other kernels
+    estimate.load_rates()
+    assert len(measured) == 2
