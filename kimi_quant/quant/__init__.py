@@ -5,8 +5,8 @@ from . import int_schemes, mx_schemes  # noqa: F401  (register the codecs)
 from .numerics import NonFiniteWeight
 
 
-def warmup() -> None:
+def warmup(writable: bool = True) -> None:
     """Compile (or load from numba's cache) every kernel; see ``kernels.warmup``."""
-    load_kernels().warmup()
+    load_kernels().warmup(writable)
 
 __all__ = ["REGISTRY", "Codec", "NonFiniteWeight", "dequantize_prefixed", "get_codec", "register", "warmup"]

@@ -767,15 +767,17 @@ def gptq_int_block(WT, ST, U1, qmin, qmax, CT, ET):
                 wj[n] = np.float32(wj[n] - np.float32(ei[n] * u))
 
 
-def warmup() -> None:
+def warmup(writable: bool = True) -> None:
     """Compile (or load from the numba cache) every conversion kernel on a tiny input. Not
     ``gptq_int_block``: it runs only on the calibrated path, in the driver, which loads it on first
-    use; warming it here cost every conversion's workers a load (~1 s compile on a cold cache)."""
-    w0 = np.zeros((2, 32), dtype=np.uint16)
-    w1 = w0.copy()
+    use; warming it here cost every conversion's workers a load (~1 s compile on a cold cache).
+    ``writable=False``: only the signatures for read-only input, the mmap views a conversion's
+    workers pass (the others load on first use; ~50 ms less before the workers can start)."""
+    w1 = np.zeros((2, 32), dtype=np.uint16)
     w1.setflags(write=False)  # the converter passes read-only mmap views: a separate numba signature
-    for w in (w0, w1):
-        _warm(w)
+    _warm(w1)
+    if writable:
+        _warm(np.zeros((2, 32), dtype=np.uint16))
 
 
 def _warm(w) -> None:
