@@ -14,7 +14,6 @@ Only the shards holding that layer are touched; nothing else stays resident.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
