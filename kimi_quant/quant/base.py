@@ -28,12 +28,23 @@ from ..dtypes import bf16_to_f32
 from ..errors import RecipeError
 
 
-def load_kernels():
-    """The numba kernels module, imported on first use: planning, verifying and the driver never
-    need numba (its import costs ~0.25 s)."""
-    from . import kernels
+_kernels = None
 
-    return kernels
+
+def load_kernels():
+    """The conversion kernels, loaded on first use (planning, verifying and the driver never need
+    them): compiled ahead of time when this machine can build them (``aot``: no numba in the
+    process), else numba's JIT kernels (``kernels``: its import and set-up cost ~0.7 s)."""
+    global _kernels
+    if _kernels is None:
+        from . import aot
+
+        _kernels = aot.load()
+        if _kernels is None:
+            from . import kernels
+
+            _kernels = kernels
+    return _kernels
 
 Spec = dict[str, tuple[str, tuple[int, ...]]]
 

@@ -39,7 +39,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .numerics import BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK
+from .numerics import BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK, MX_SCREEN_MARGIN
 from . import numerics as _nm
 
 _E2M1 = E2M1_VALUES.copy()
@@ -523,11 +523,6 @@ def _tree64(d):
     for j in range(2):
         d[j] = d[j] + d[j + 2]
     return d[0] + d[1]
-
-
-#: relative margin of the float32 SSE screen of ``_mx_kernel`` (E2M1); the tests also run the
-#: kernel with an infinite margin, where every saturating block takes the exact rule.
-MX_SCREEN_MARGIN = np.float32(2.0**-12)
 
 
 def _splat(b, vty, x):

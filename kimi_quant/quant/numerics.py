@@ -25,6 +25,10 @@ from __future__ import annotations
 
 import numpy as np
 
+#: relative margin of the float32 SSE screen of ``kernels._mx_kernel`` (E2M1); the tests also run the
+#: kernel with an infinite margin, where every saturating block takes the exact rule.
+MX_SCREEN_MARGIN = np.float32(2.0**-12)
+
 BLOCK = 32
 
 #: W4A8_DYNAMIC scale of a nonzero row whose rule gives a float32 underflow (|w| < ~2^-146: float32

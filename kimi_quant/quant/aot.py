@@ -1,0 +1,266 @@
+"""The conversion kernels compiled ahead of time, so that workers start without numba.
+
+A worker that imports numba and loads its cached kernels spends ~0.7 s of a core first (numba's
+import ~0.3 s, the set-up of its JIT ~0.4 s): on a short conversion a fifth of the wall time, paid
+before the first byte. ``numba.pycc`` compiles the same functions of ``kernels.py`` (unchanged: the
+same numba front end and LLVM, so the same machine code and bytes; ``tests/test_kernels_exhaustive.py``
+runs on both) into a small extension module that imports in a millisecond, with no numba in the process.
+
+The module is built once per *key*: the kernels' sources, numba and llvmlite, the Python ABI and the
+CPU (it is compiled for this CPU, as numba's JIT is). It is kept beside numba's own cache:
+NUMBA_CACHE_DIR when set, else ``quant/__pycache__`` when writable, else ``<cache>/kernels``. The
+first conversion after an install or upgrade builds it (~20 s, where it used to JIT-compile ~10 s).
+A build needs ``numba.pycc`` (deprecated by numba) and a C compiler; without either the kernels stay
+numba's JIT kernels, as before, and a ``.failed`` file beside it says why (no later run retries that
+key; delete the file to retry).
+
+pycc's entry points check nothing about their arguments: not the dtype, the layout, not even that
+an argument is an array. So every call goes through ``_checked``, which passes only what the
+signature compiled for, and hands anything else to the JIT kernel (numba dispatches on the real types).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+#: The exported kernels: name -> the argument kinds of its one signature. "w": the weights' bf16 bits,
+#: uint16 [N, K] (typed read-only: pycc accepts a writable array there too, and the kernels never write
+#: it); "i64"/"f32": scalars; other entries: a writable C-contiguous 2-D output of that dtype.
+EXPORTS = {
+    "int8_kernel": ("w", "int8", "float32"),
+    "int4_kernel": ("w", "int8", "float32", "float32"),
+    "int4_group_kernel": ("w", "i64", "i64", "int8", "float32", "float32"),
+    "mxfp4_kernel": ("w", "uint8", "uint8", "f32"),
+    "mxfp8_kernel": ("w", "uint8", "uint8", "f32"),
+}
+#: What the key covers besides the versions: the sources the compiled code comes from.
+_SOURCES = ("kernels.py", "numerics.py", "aot.py")
+_HERE = Path(__file__).resolve().parent
+
+
+def _cpu_id() -> str:
+    """The CPU the module is compiled for (a shared home on a mixed cluster gets one module per kind)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        import platform
+
+        return platform.machine() + platform.processor()
+    first = text.split("\n\n", 1)[0]
+    return "\n".join(ln for ln in first.splitlines() if ln.startswith(("model name", "flags", "vendor_id")))
+
+
+def _package_version(name: str) -> bytes:
+    """``<name>/_version.py`` (numba's and llvmlite's version, with the git revision of a development
+    build), found without importing the package or reading every distribution's metadata."""
+    spec = importlib.util.find_spec(name)
+    try:
+        return (Path(spec.origin).parent / "_version.py").read_bytes()
+    except (AttributeError, TypeError, OSError):
+        return b"-"
+
+
+def key() -> str:
+    h = hashlib.blake2b(digest_size=10)
+    for name in _SOURCES:
+        h.update((_HERE / name).read_bytes())
+    for part in (_package_version("numba"), _package_version("llvmlite"), sys.implementation.cache_tag.encode(),
+                 (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(), _cpu_id().encode()):
+        h.update(b"\0" + part)
+    return h.hexdigest()
+
+
+def cache_root() -> Path:
+    """Where the module is kept: beside numba's cache of the same kernels (see the module docstring)."""
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return Path(os.environ["NUMBA_CACHE_DIR"]) / "kimi_quant_aot"
+    here = _HERE / "__pycache__"
+    if os.access(_HERE, os.W_OK) and (not here.exists() or os.access(here, os.W_OK)):
+        return here
+    from ..cache import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+def _module_name(k: str) -> str:
+    return f"kq_kernels_{k}"
+
+
+def module_path(k: str | None = None) -> Path:
+    k = k or key()
+    return cache_root() / (_module_name(k) + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+
+
+def failed_path(k: str | None = None) -> Path:
+    return cache_root() / (_module_name(k or key()) + ".failed")
+
+
+def state() -> str:
+    """"built", "failed" (the JIT kernels are used) or "missing" (the next conversion builds it)."""
+    k = key()
+    if module_path(k).is_file():
+        return "built"
+    return "failed" if failed_path(k).is_file() else "missing"
+
+
+def _trusted(path: Path) -> bool:
+    """Loading a module runs its code: only a file of ours that no one else can write."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def load(build: bool = True):
+    """The compiled kernels (an object with ``EXPORTS``' names), or None: then use numba's JIT kernels.
+    Builds the module when missing (``build``) and no earlier build of the same key failed."""
+    k = key()
+    path = module_path(k)
+    if not path.is_file():
+        if not build or failed_path(k).is_file():
+            return None
+        try:
+            _build(k, path)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the JIT kernels, said once in the .failed file
+            _record_failure(k, e)
+            return None
+    if not _trusted(path):
+        return None
+    name = _module_name(k)
+    mod = sys.modules.get(name)
+    if mod is None:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        sys.modules[name] = mod
+    return CompiledKernels(mod)
+
+
+def _record_failure(k: str, e: BaseException) -> None:
+    line = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+    with contextlib.suppress(OSError):
+        failed_path(k).parent.mkdir(parents=True, exist_ok=True)
+        failed_path(k).write_text(f"building the compiled kernels failed, so numba's JIT kernels are used: {line}\n")
+
+
+def _numba_type(kind: str):
+    from numba import types
+
+    if kind == "w":
+        return types.Array(types.uint16, 2, "C", readonly=True)
+    if kind == "i64":
+        return types.int64
+    if kind == "f32":
+        return types.float32
+    return types.Array(getattr(types, kind), 2, "C")
+
+
+def _build(k: str, path: Path) -> None:
+    """Compile ``EXPORTS`` with numba.pycc in a scratch folder; move the module into place atomically
+    (two processes building at once: the last rename wins, both files are whole)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # numba.pycc's pending-deprecation warning
+        from numba import types
+        from numba.pycc import CC
+
+    from . import kernels
+
+    scratch = Path(tempfile.mkdtemp(prefix="kq-aot-"))
+    try:
+        cc = CC(_module_name(k))
+        cc.output_dir = str(scratch)
+        cc.target_cpu = "host"  # as numba's JIT compiles; the key holds the CPU
+        cc.verbose = False
+        for name, kinds in EXPORTS.items():
+            sig = types.int64(*map(_numba_type, kinds))
+            cc.export(name, sig)(getattr(kernels, name).py_func)
+        with warnings.catch_warnings(), _quiet_fds():
+            warnings.simplefilter("ignore")
+            cc.compile()
+        built = next(scratch.glob(_module_name(k) + "*"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        shutil.copyfile(built, tmp)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_fds():
+    """The C compiler's own output (warnings, the command lines distutils echoes) goes nowhere: a build
+    either works or leaves a one-line reason."""
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(os.devnull, "wb") as null:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(null.fileno(), 1)
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def _fits(kind: str, a) -> bool:
+    if kind == "w":
+        return isinstance(a, np.ndarray) and a.dtype == np.uint16 and a.ndim == 2 and a.flags.c_contiguous
+    if kind == "i64":
+        return isinstance(a, (int, np.integer)) and not isinstance(a, bool) and -2**63 <= a < 2**63
+    if kind == "f32":  # numba's JIT compiles another specialisation for a float64 margin
+        return isinstance(a, np.float32)
+    return (isinstance(a, np.ndarray) and a.dtype == np.dtype(kind) and a.ndim == 2 and a.flags.c_contiguous
+            and a.flags.writeable)
+
+
+class CompiledKernels:
+    """The compiled module's kernels under the names (and default arguments) of ``kernels``; calls
+    whose arguments the compiled signature does not cover go to the JIT kernel."""
+
+    def __init__(self, module):
+        self.module = module
+        from .numerics import MX_SCREEN_MARGIN
+
+        self._defaults = {"mxfp4_kernel": (MX_SCREEN_MARGIN,), "mxfp8_kernel": (MX_SCREEN_MARGIN,)}
+        for name, kinds in EXPORTS.items():
+            setattr(self, name, self._checked(name, kinds, getattr(module, name)))
+
+    def _checked(self, name: str, kinds: tuple[str, ...], fast):
+        defaults = self._defaults.get(name, ())
+
+        def call(*args):
+            if len(args) < len(kinds):
+                args = args + defaults[len(args) - len(kinds):]
+            if len(args) == len(kinds) and all(_fits(k, a) for k, a in zip(kinds, args)):
+                return fast(*args)
+            return getattr(_jit(), name)(*args)
+
+        call.__name__ = name
+        return call
+
+    def warmup(self, writable: bool = True) -> None:
+        """Nothing to compile: the module is loaded."""
+
+    def __getattr__(self, name: str):  # gptq_int_block and the rest: numba's JIT kernels
+        return getattr(_jit(), name)
+
+
+def _jit():
+    from . import kernels
+
+    return kernels
