@@ -396,7 +396,7 @@ class _WaitingBar:
         if bar.disable:
             self._stop.set()
             return
-        what = "compiling kernels (first run only, ~15 s)" if kernels_cached() is False else "loading kernels"
+        what = "compiling kernels (first run only, ~20 s)" if kernels_cached() is False else "loading kernels"
         bar.set_postfix_str(what + ("; first shards downloading" if staging else ""))
         if getattr(bar.fp, "isatty", lambda: False)():
             threading.Thread(target=self._tick, daemon=True).start()

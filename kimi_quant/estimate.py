@@ -44,8 +44,8 @@ DRIVER_BYTES = 300 * 1024**2
 WORKER_FIXED_BYTES = 64 * 1024**2
 #: starting the driver and the workers' fork server, and writing the metadata, with the kernels cached
 STARTUP_S = 1.0
-#: compiling every numba kernel on a cold cache (the first run after installing or upgrading)
-COMPILE_S = 15.0
+#: building the compiled kernels (``quant.aot``; the first run after installing or upgrading)
+COMPILE_S = 20.0
 
 
 def _cpu_name() -> str:
@@ -189,8 +189,14 @@ def calibrate_seconds(plan: Plan, rates: Rates, workers: int) -> float | None:
 
 
 def kernels_cached() -> bool | None:
-    """Whether numba has the kernels cached: in NUMBA_CACHE_DIR when set, else next to their source
-    (None: cannot tell, the source directory is read-only and numba uses a per-user directory)."""
+    """Whether the kernels are ready to load: compiled ahead of time (``quant.aot``), or, where that
+    build failed, in numba's cache: in NUMBA_CACHE_DIR when set, else next to their source (None:
+    cannot tell, the source directory is read-only and numba uses a per-user directory)."""
+    from .quant import aot
+
+    state = aot.state()
+    if state != "failed":
+        return state == "built"
     if os.environ.get("NUMBA_CACHE_DIR"):
         root = Path(os.environ["NUMBA_CACHE_DIR"])
         return any("kimi_quant" in str(p.parent) for p in root.rglob("kernels.*.nbi")) if root.is_dir() else False

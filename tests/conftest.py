@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # --- resume / bad input / verify helpers (tests/test_resume.py, test_bad_input.py, test_verify.py,
 # --- test_cli_errors.py) ----------------------------------------------------------------------------
+import contextlib
 import hashlib
 import os
 import shutil
@@ -161,3 +162,42 @@ def mid_source(tmp_path_factory) -> Path:
 def tiny_source(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny") / "src")
 # --- end of resume / bad input / verify helpers ------------------------------------------------------
+
+
+# --- kernel builds (tests/test_aot.py and the bit-identity tests) -----------------------------------------
+#: the two builds of the conversion kernels every bit-identity test runs on
+KERNEL_BUILDS = ["compiled", "jit"]
+
+
+def compiled_kernels():
+    """The ahead-of-time compiled kernels, built if missing. A machine with a C compiler must build
+    them (a failure there is a bug); only one without any skips."""
+    import shutil
+
+    from kimi_quant.quant import aot
+
+    k = aot.load(build=aot.state() != "failed")
+    if k is None:
+        if not (shutil.which("cc") or shutil.which("gcc") or os.environ.get("CC")):
+            pytest.skip("no C compiler: the compiled kernels cannot be built here")
+        why = aot.failed_path().read_text() if aot.failed_path().is_file() else "not trusted"
+        pytest.fail(f"the compiled kernels did not load: {why}")
+    return k
+
+
+@contextlib.contextmanager
+def kernels_build(build: str):
+    """``load_kernels()`` returns ``build`` ("compiled" or "jit") inside."""
+    from kimi_quant.quant import base
+
+    saved = base._kernels
+    if build == "compiled":
+        base._kernels = compiled_kernels()
+    else:
+        from kimi_quant.quant import kernels
+
+        base._kernels = kernels
+    try:
+        yield base._kernels
+    finally:
+        base._kernels = saved

@@ -10,6 +10,8 @@ from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16
 from kimi_quant.quant import kernels as kn
 from kimi_quant.quant import numerics as nm
 
+from conftest import KERNEL_BUILDS, kernels_build
+
 #: every non-negative finite bf16 bit pattern
 ALL_BF16 = np.arange(0, 0x7F80, dtype=np.uint32)
 
@@ -108,8 +110,9 @@ def _adversarial_mx(rng, N=16, nb=24):
     return u
 
 
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
 @pytest.mark.parametrize("seed", range(4))
-def test_mxfp4_kernel_adversarial(seed):
+def test_mxfp4_kernel_adversarial(seed, build):
     rng = np.random.default_rng(seed)
     for w in [_adversarial_mx(rng), f32_to_bf16((0.02 * rng.standard_normal((32, 512))).astype(np.float32)),
               f32_to_bf16((0.01 * rng.standard_t(2, (32, 512))).astype(np.float32))]:
@@ -118,7 +121,8 @@ def test_mxfp4_kernel_adversarial(seed):
         for margin in (kn.MX_SCREEN_MARGIN, np.float32(np.inf)):
             out = np.empty_like(want)
             sc = np.empty_like(scale)
-            assert kn.mxfp4_kernel(w, out, sc, margin) == -1
+            with kernels_build(build) as k:
+                assert k.mxfp4_kernel(w, out, sc, margin) == -1
             assert np.array_equal(sc, scale), (seed, margin)
             assert np.array_equal(out, want), (seed, margin)
 
@@ -146,8 +150,9 @@ def test_bf16_range_every_pair():
                 assert hi == max(f.max(), 0) and lo == min(f.min(), 0), (a, o)
 
 
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
 @pytest.mark.parametrize("seed", range(3))
-def test_int4_kernels_adversarial(seed):
+def test_int4_kernels_adversarial(seed, build):
     """int4 per row and per group against the reference: zeros, -0, tiny, huge, one-sided rows, ties."""
     from kimi_quant.quant import get_codec
 
@@ -177,7 +182,8 @@ def test_int4_kernels_adversarial(seed):
     for name, group in [("W4A8_DYNAMIC", 0), ("W4A8_DYNAMIC", 64)]:
         codec = get_codec(name, group) if group else get_codec(name)
         for matmul in ("gate", "down"):
-            fast = codec.quantize_bf16(w, matmul)
+            with kernels_build(build):
+                fast = codec.quantize_bf16(w, matmul)
             ref = codec.quantize(bf16_to_f32(w), matmul)
             for k in fast:
                 assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (name, group, matmul, k)

@@ -9,6 +9,8 @@ from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16
 from kimi_quant.quant import get_codec
 from kimi_quant.quant import numerics as nm
 
+from conftest import KERNEL_BUILDS, kernels_build
+
 SCHEMES = [("W4A8_DYNAMIC", "gate"), ("W4A8_DYNAMIC", "down"), ("W8A8_DYNAMIC", None), ("W4A8_MXFP", None), ("W8A8_MXFP8", None)]
 
 
@@ -46,12 +48,14 @@ def edge_matrices():
 EDGE = edge_matrices()
 
 
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
 @pytest.mark.parametrize("name,matmul", SCHEMES)
 @pytest.mark.parametrize("case", [c[0] for c in EDGE])
-def test_fast_path_bit_identical_edge_cases(name, matmul, case):
+def test_fast_path_bit_identical_edge_cases(name, matmul, case, build):
     w = dict(EDGE)[case]
     codec = get_codec(name)
-    fast = codec.quantize_bf16(w, matmul)
+    with kernels_build(build):
+        fast = codec.quantize_bf16(w, matmul)
     ref = codec.quantize(bf16_to_f32(w), matmul)
     specs = codec.out_specs(w.shape, matmul)
     assert fast.keys() == ref.keys() == specs.keys()
@@ -75,10 +79,12 @@ def test_fast_path_bit_identical_random(seed, n, kb, log_scale, heavy):
     w = _bf16(x * 2.0**log_scale)
     for name, matmul in SCHEMES:
         codec = get_codec(name)
-        fast = codec.quantize_bf16(w, matmul)
         ref = codec.quantize(bf16_to_f32(w), matmul)
-        for k in fast:
-            assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (name, k)
+        for build in KERNEL_BUILDS:
+            with kernels_build(build):
+                fast = codec.quantize_bf16(w, matmul)
+            for k in fast:
+                assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (build, name, k)
 
 
 def _row_sse(w, deq):
@@ -176,7 +182,8 @@ def test_mx_roundtrip_error_small():
         assert rel < tol, (name, rel)
 
 
-def test_fast_path_bit_identical_seeded_sweep():
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
+def test_fast_path_bit_identical_seeded_sweep(build):
     for seed in range(60):
         rng = np.random.default_rng(10_000 + seed)
         N, K = 2 * int(rng.integers(1, 24)), 32 * int(rng.integers(1, 24))
@@ -195,7 +202,8 @@ def test_fast_path_bit_identical_seeded_sweep():
             w = _bf16(x)
         for name, matmul in SCHEMES:
             codec = get_codec(name)
-            fast = codec.quantize_bf16(w, matmul)
+            with kernels_build(build):
+                fast = codec.quantize_bf16(w, matmul)
             ref = codec.quantize(bf16_to_f32(w), matmul)
             for k in fast:
                 assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (seed, name, k)

@@ -3,9 +3,9 @@
 Processes rather than threads because the int4/MX kernels hold the GIL-free core for long
 stretches and torch/numpy intra-op threading on 2 cores was measured to be erratic.
 Workers fork from a ``forkserver`` that has imported the unit code and loaded the kernels
-(``preload.py``): a worker starts in milliseconds instead of re-importing numpy and numba
-(~0.8 core-s each), a cold numba cache is compiled once, and a finished worker leaves with
-``os._exit`` instead of a slow interpreter teardown.
+(``preload.py``): a worker starts in milliseconds instead of re-importing numpy and the kernels,
+missing kernels are built once (``quant.aot``), and a finished worker leaves with ``os._exit``
+instead of a slow interpreter teardown.
 With ``workers=1`` units run in the driver process itself (no start-up cost, easy debugging).
 """
 

@@ -1,7 +1,7 @@
 """Imported once by the local executor's fork server, before any worker exists.
 
-Workers are forked from that server, so each starts with the unit code imported and the numba
-kernels already loaded (compiled once, on a cold cache, rather than once per worker).
+Workers are forked from that server, so each starts with the unit code imported and the kernels
+already loaded (built once when missing, rather than once per worker).
 """
 
 import gc

@@ -15,8 +15,8 @@ numba's JIT kernels, as before, and a ``.failed`` file beside it says why (no la
 key; delete the file to retry).
 
 pycc's entry points check nothing about their arguments: not the dtype, the layout, not even that
-an argument is an array. So every call goes through ``_checked``, which passes only what the
-signature compiled for, and hands anything else to the JIT kernel (numba dispatches on the real types).
+an argument is an array. So every call goes through ``CompiledKernels._checked``, which passes only
+what the signature was compiled for and raises TypeError for anything else.
 """
 
 from __future__ import annotations
@@ -185,9 +185,9 @@ def _build(k: str, path: Path) -> None:
         for name, kinds in EXPORTS.items():
             sig = types.int64(*map(_numba_type, kinds))
             cc.export(name, sig)(getattr(kernels, name).py_func)
-        with warnings.catch_warnings(), _quiet_fds():
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cc.compile()
+            cc.compile()  # verbose off: distutils echoes no command lines
         built = next(scratch.glob(_module_name(k) + "*"))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -198,39 +198,27 @@ def _build(k: str, path: Path) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _quiet_fds():
-    """The C compiler's own output (warnings, the command lines distutils echoes) goes nowhere: a build
-    either works or leaves a one-line reason."""
-    saved = [os.dup(1), os.dup(2)]
-    try:
-        with open(os.devnull, "wb") as null:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(null.fileno(), 1)
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
-
-
 def _fits(kind: str, a) -> bool:
     if kind == "w":
         return isinstance(a, np.ndarray) and a.dtype == np.uint16 and a.ndim == 2 and a.flags.c_contiguous
     if kind == "i64":
         return isinstance(a, (int, np.integer)) and not isinstance(a, bool) and -2**63 <= a < 2**63
-    if kind == "f32":  # numba's JIT compiles another specialisation for a float64 margin
-        return isinstance(a, np.float32)
+    if kind == "f32":
+        return isinstance(a, (float, np.floating))
     return (isinstance(a, np.ndarray) and a.dtype == np.dtype(kind) and a.ndim == 2 and a.flags.c_contiguous
             and a.flags.writeable)
 
 
+def _describe(kinds: tuple[str, ...]) -> str:
+    words = {"w": "uint16 bf16 bits [N, K]", "i64": "an int", "f32": "a float"}
+    return ", ".join(words.get(k, f"writable {k} [.., ..]") for k in kinds)
+
+
 class CompiledKernels:
-    """The compiled module's kernels under the names (and default arguments) of ``kernels``; calls
-    whose arguments the compiled signature does not cover go to the JIT kernel."""
+    """The compiled module's kernels under the names (and default arguments) of ``kernels``. Every
+    call is checked first (C-contiguous 2-D arrays of the compiled dtypes, outputs writable): the
+    entry points themselves would read or write any other array as if it were one. The codecs only
+    ever pass such arrays (``Codec.alloc``); anything else is a TypeError, never memory overwritten."""
 
     def __init__(self, module):
         self.module = module
@@ -246,9 +234,11 @@ class CompiledKernels:
         def call(*args):
             if len(args) < len(kinds):
                 args = args + defaults[len(args) - len(kinds):]
-            if len(args) == len(kinds) and all(_fits(k, a) for k, a in zip(kinds, args)):
-                return fast(*args)
-            return getattr(_jit(), name)(*args)
+            if len(args) != len(kinds) or not all(map(_fits, kinds, args)):
+                got = ", ".join(f"{a.dtype}{list(a.shape)}{'' if a.flags.c_contiguous else ' strided'}"
+                                if isinstance(a, np.ndarray) else type(a).__name__ for a in args)
+                raise TypeError(f"{name} takes C-contiguous arrays: ({_describe(kinds)}); got ({got})")
+            return fast(*args)
 
         call.__name__ = name
         return call

@@ -25,10 +25,12 @@ inspected): the hot loops should show ymm (AVX2) or zmm (AVX-512) registers.
 The MX kernel skips the second exponent candidate when it provably cannot win (see the comment
 in ``_mx_kernel``); the reference always evaluates both, and the tests check they agree.
 
-Compilation: ``cache=True`` stores machine code next to this file (``__pycache__``), or in
-NUMBA_CACHE_DIR / a per-user cache dir when that is not writable.  A cold compile of all kernels
-takes ~10 s; a cache load ~0.2 s.  Call ``warmup()`` once in a parent process before forking
-workers so that they do not all compile at once.
+Compilation: a conversion normally runs these functions compiled ahead of time (``aot``, through
+``base.load_kernels``: no numba in the workers). Run here, by numba's JIT (where that build is not
+possible, in the tests, and ``gptq_int_block`` always), ``cache=True`` stores machine code next to
+this file (``__pycache__``), or in NUMBA_CACHE_DIR / a per-user cache dir when that is not writable.
+A cold compile of all kernels takes ~10 s; a cache load ~0.2 s (after numba's own start, ~0.7 s).
+Call ``warmup()`` once in a parent process before forking workers so that they do not all compile.
 """
 
 from __future__ import annotations
