@@ -52,7 +52,8 @@ def va():
     import vllm_ascend_stubs as stubs
 
     stubs.import_vllm_ascend(src)
-    return stubs
+    yield stubs
+    stubs.remove_vllm_ascend()  # the stubs (a spec-less torch_npu, a patched torch) stay in this module's tests
 
 
 @pytest.fixture(scope="module")

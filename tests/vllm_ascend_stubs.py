@@ -14,6 +14,7 @@ the path and installs stand-ins for what is missing on a CPU machine:
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.abc
 import importlib.machinery
@@ -221,12 +222,20 @@ def _torch_npu() -> types.ModuleType:
     )
 
 
+#: what ``import_vllm_ascend`` puts in place (``remove_vllm_ascend`` takes it all out again)
+_ROOTS = ("vllm", "vllm_ascend", "torch_npu", "triton")
+_MISSING = object()
+_SAVED: dict[str, object] = {}
+
+
 def import_vllm_ascend(src: Path, device_type: str = "A3"):
     """Import the real ``vllm_ascend.quantization`` from ``src`` (the unpacked sdist) on this CPU."""
     if "vllm_ascend.quantization.modelslim_config" in sys.modules:
         return sys.modules["vllm_ascend.quantization.modelslim_config"]
     sys.meta_path.append(_StubFinder())
     _torch_npu()
+    _SAVED.update({"Tensor.npu": getattr(torch.Tensor, "npu", _MISSING), "torch.npu": getattr(torch, "npu", _MISSING),
+                   "src": str(src)})
     torch.Tensor.npu = lambda self, *a, **k: self  # host tensors stand for device tensors
     torch.npu = _StubModule("torch.npu")  # Stream, Event, ... as placeholder types
     torch.npu.is_available = lambda: False
@@ -269,3 +278,22 @@ def import_vllm_ascend(src: Path, device_type: str = "A3"):
     from vllm_ascend.quantization import modelslim_config
 
     return modelslim_config
+
+
+def remove_vllm_ascend() -> None:
+    """Undo ``import_vllm_ascend``: later tests in the same process must not see a ``torch_npu`` module
+    (transformers' device checks trip on a stub without a spec) nor the patched ``torch``."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _StubFinder)]
+    for name, mod in list(sys.modules.items()):
+        if name.split(".")[0] in _ROOTS or isinstance(mod, _StubModule):
+            del sys.modules[name]
+    for attr, owner in (("Tensor.npu", torch.Tensor), ("torch.npu", torch)):
+        old = _SAVED.pop(attr, _MISSING)
+        if old is _MISSING:
+            with contextlib.suppress(AttributeError):
+                delattr(owner, "npu")
+        else:
+            setattr(owner, "npu", old)
+    src = _SAVED.pop("src", None)
+    if src in sys.path:
+        sys.path.remove(src)
