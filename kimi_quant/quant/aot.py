@@ -130,9 +130,11 @@ def load(build: bool = True):
         if not build or failed_path(k).is_file():
             return None
         try:
-            _build(k, path)
+            _build_once(k, path)
         except Exception as e:  # noqa: BLE001 - any failure leaves the JIT kernels, said once in the .failed file
             _record_failure(k, e)
+            return None
+        if not path.is_file():  # another process's build of this key failed meanwhile
             return None
     if not _trusted(path):
         return None
@@ -145,6 +147,21 @@ def load(build: bool = True):
         loader.exec_module(mod)
         sys.modules[name] = mod
     return CompiledKernels(mod)
+
+
+def _build_once(k: str, path: Path) -> None:
+    """Build unless another process (a Ray worker, a second run starting at the same time) holds the
+    key's lock: then wait for it and use what it built (or its .failed file)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(_module_name(k) + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if not path.is_file() and not failed_path(k).is_file():
+            _build(k, path)
+    finally:
+        os.close(fd)  # releases the lock (so does the kernel if this process is killed)
 
 
 def _record_failure(k: str, e: BaseException) -> None:
@@ -167,8 +184,8 @@ def _numba_type(kind: str):
 
 
 def _build(k: str, path: Path) -> None:
-    """Compile ``EXPORTS`` with numba.pycc in a scratch folder; move the module into place atomically
-    (two processes building at once: the last rename wins, both files are whole)."""
+    """Compile ``EXPORTS`` with numba.pycc in a scratch folder, then move the module into place by a
+    rename: a build killed part-way leaves no module that looks whole."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # numba.pycc's pending-deprecation warning
         from numba import types
@@ -176,7 +193,7 @@ def _build(k: str, path: Path) -> None:
 
     from . import kernels
 
-    scratch = Path(tempfile.mkdtemp(prefix="kq-aot-"))
+    scratch = Path(tempfile.mkdtemp(prefix="kq-aot-"))  # pycc's intermediate files, removed after
     try:
         cc = CC(_module_name(k))
         cc.output_dir = str(scratch)
