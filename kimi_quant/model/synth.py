@@ -8,7 +8,6 @@ experts of one layer live in different files.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import zlib

@@ -399,8 +399,6 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     """The calibrated path of ``Codec.quantize``: GPTQ over the codec's candidate grids, per row the
     candidate (or, with ``cfg.guard``, the data-free codes) with the smallest input-weighted error
     (judged by ``_Judge``: float32 products, float64 where candidates come close)."""
-    import torch
-
     cfg = cfg or GPTQConfig()
     nm.check_finite(w)
     N, K = w.shape
