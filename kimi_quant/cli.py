@@ -413,6 +413,10 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
                      f"one core at this machine's codec rates, ~{job['rate_gbps']:.2f} GB/s)")
         if job.get("compile_seconds"):
             lines.append(f"         + ~{_duration(job['compile_seconds'])} compiling the kernels (first run only)")
+    kernels = job.get("kernels") or {}
+    if kernels.get("build") == "jit" and job["executor"] == "local":
+        lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled build failed "
+                     f"({kernels['why']}); delete {kernels['retry']} to try it again")
         if job.get("calibrate_seconds"):
             lines.append(f"         incl. ~{_duration(job['calibrate_seconds'])} for --calibrate")
         if job["download_bytes"] and job.get("link_gbps"):

@@ -206,6 +206,21 @@ def kernels_cached() -> bool | None:
     return any((quant / "__pycache__").glob("kernels.*.nbi"))
 
 
+def kernels_build() -> dict:
+    """Which kernels this machine's workers run: {"build": "compiled" | "jit" | "to build", "why": the
+    reason a compiled build failed, "retry": the file to delete to try it again}."""
+    from .quant import aot
+
+    state = aot.state()
+    if state != "failed":
+        return {"build": "compiled" if state == "built" else "to build"}
+    try:
+        why = aot.failed_path().read_text().strip()
+    except OSError:
+        why = ""
+    return {"build": "jit", "why": why, "retry": str(aot.failed_path())}
+
+
 def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "local", hub: bool = False,
              max_disk: int | None = None, input_sizes: dict[str, int] | None = None,
              link_bps: float | None = None) -> dict:
@@ -242,6 +257,7 @@ def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "
         # local: the driver and its workers on this machine; Ray: the driver here, each task where Ray puts it
         "memory_peak_bytes": DRIVER_BYTES + (workers * per_worker if executor == "local" else 0),
         "download_bytes": sum(sizes.values()) if hub else 0,
+        "kernels": kernels_build(),
     }
     if rates is not None:
         per_unit = unit_core_seconds(plan, rates)

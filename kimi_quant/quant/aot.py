@@ -168,7 +168,7 @@ def _record_failure(k: str, e: BaseException) -> None:
     line = " ".join(f"{type(e).__name__}: {e}".split())[:500]
     with contextlib.suppress(OSError):
         failed_path(k).parent.mkdir(parents=True, exist_ok=True)
-        failed_path(k).write_text(f"building the compiled kernels failed, so numba's JIT kernels are used: {line}\n")
+        failed_path(k).write_text(line + "\n")  # why the build failed; numba's JIT kernels are used instead
 
 
 def _numba_type(kind: str):
