@@ -78,6 +78,12 @@ class _Group(click.Group):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
+        try:
+            return self._invoke(ctx)
+        finally:
+            _forget_caught_interrupt()  # the exit status is the one chosen here
+
+    def _invoke(self, ctx):
         # Subcommands parse their options inside Group.invoke, so bad option values land here as well.
         try:
             return super().invoke(ctx)
@@ -103,6 +109,19 @@ class _Group(click.Group):
             traceback.print_exc()  # called from an except block: the exception being handled
         click.echo(f"kimi-quant: error: {message}", err=True)
         sys.exit(code)
+
+
+def _forget_caught_interrupt() -> None:
+    """Keep the exit status the CLI chose (130 after a Ctrl-C) when the KeyboardInterrupt was raised inside
+    code that ``exec``/``eval`` ran from a string, as every dataclass and namedtuple definition does (so an
+    import is often in such code when Ctrl-C lands). CPython then sets its "unhandled KeyboardInterrupt"
+    flag (``run_eval_code_obj``) although the exception is caught further up, and under ``python -m``
+    (``pymain_run_module`` returns the exit status instead of exiting on SystemExit) it checks the flag
+    after finalizing and kills itself with SIGINT: returncode -2 instead of 130, or instead of whatever a
+    handled run exits with. (The ``kimi-quant`` script exits on SystemExit before that check.) Each run
+    of a string clears the flag as it starts, so an empty one that completes leaves it clear (CPython
+    3.11-3.13 checked: tests/test_cli_errors.py::test_ctrl_c_in_exec_code_exits_130)."""
+    exec("")  # noqa: S102 - a constant, empty program: its only effect is the reset
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
