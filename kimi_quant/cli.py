@@ -19,6 +19,7 @@ import click
 
 from . import __version__
 from .errors import KimiQuantError, ValidationFailed
+from .executor.fork_server import default_workers, start_fork_server
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -493,6 +494,11 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     if do_validate and not Path(source).expanduser().is_dir():
         raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                              "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
+    if executor == "local" and not calibrate and (workers or default_workers()) > 1:
+        # the fork server's start-up (python, numpy, the unit code, the kernels) runs while this process
+        # imports numpy and plans; convert's executor then finds the server running. A Ctrl-C meanwhile
+        # most likely lands in an import: see _forget_caught_interrupt
+        start_fork_server()
     from .convert import ConvertOptions, convert as run_convert
 
     gc.freeze()  # this process's modules live to its end: its full collections need not walk them
