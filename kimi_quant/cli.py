@@ -19,6 +19,7 @@ import click
 
 from . import __version__
 from .errors import KimiQuantError, ValidationFailed
+from .executor.fork_server import default_workers, start_fork_server
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -78,6 +79,12 @@ class _Group(click.Group):
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
+        try:
+            return self._invoke(ctx)
+        finally:
+            _forget_caught_interrupt()  # the exit status is the one chosen here
+
+    def _invoke(self, ctx):
         # Subcommands parse their options inside Group.invoke, so bad option values land here as well.
         try:
             return super().invoke(ctx)
@@ -103,6 +110,19 @@ class _Group(click.Group):
             traceback.print_exc()  # called from an except block: the exception being handled
         click.echo(f"kimi-quant: error: {message}", err=True)
         sys.exit(code)
+
+
+def _forget_caught_interrupt() -> None:
+    """Keep the exit status the CLI chose (130 after a Ctrl-C) when the KeyboardInterrupt was raised inside
+    code that ``exec``/``eval`` ran from a string, as every dataclass and namedtuple definition does (so an
+    import is often in such code when Ctrl-C lands). CPython then sets its "unhandled KeyboardInterrupt"
+    flag (``run_eval_code_obj``) although the exception is caught further up, and under ``python -m``
+    (``pymain_run_module`` returns the exit status instead of exiting on SystemExit) it checks the flag
+    after finalizing and kills itself with SIGINT: returncode -2 instead of 130, or instead of whatever a
+    handled run exits with. (The ``kimi-quant`` script exits on SystemExit before that check.) Each run
+    of a string clears the flag as it starts, so an empty one that completes leaves it clear (CPython
+    3.11-3.13 checked: tests/test_cli_errors.py::test_ctrl_c_in_exec_code_exits_130)."""
+    exec("")  # noqa: S102 - a constant, empty program: its only effect is the reset
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -478,6 +498,11 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     if do_validate and not Path(source).expanduser().is_dir():
         raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                              "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
+    if executor == "local" and not calibrate and (workers or default_workers()) > 1:
+        # the fork server's start-up (python, numpy, the unit code, the kernels) runs while this process
+        # imports numpy and plans; convert's executor then finds the server running. A Ctrl-C meanwhile
+        # most likely lands in an import: see _forget_caught_interrupt
+        start_fork_server()
     from .convert import ConvertOptions, convert as run_convert
 
     gc.freeze()  # this process's modules live to its end: its full collections need not walk them

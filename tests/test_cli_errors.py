@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import interrupt_in_exec
 from conftest import error_line, kq, target_args
 
 
@@ -93,3 +94,16 @@ def test_output_is_a_file(tiny_source, tmp_path):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert f.read_text() == "x"
+
+
+def test_ctrl_c_in_exec_code_exits_130(tmp_path):
+    """A Ctrl-C that lands while Python runs code ``exec`` built from a string (here: a dataclass of the
+    module `targets` imports) is one line and exit 130, as anywhere else: CPython flags such a
+    KeyboardInterrupt as unhandled even though the CLI catches it, and under ``python -m`` it used to kill
+    itself with SIGINT after exiting (returncode -2)."""
+    mark = tmp_path / "fired"
+    r = interrupt_in_exec.run(["targets"], "kimi_quant.targets", mark)
+    assert mark.read_text() == "kimi_quant.targets"
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.splitlines() == ["kimi-quant: interrupted"], r.stderr
+    assert r.stdout == ""

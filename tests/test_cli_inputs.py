@@ -310,8 +310,9 @@ def test_validate_refuses_a_source_that_is_not_the_outputs_and_warns_on_an_impla
 
 
 def test_cli_imports_nothing_heavy():
-    """The CLI module imports none of numpy, numba, torch or the hub client: every command pays only
-    for what it uses (`--help` and the option checks are instant)."""
+    """`kimi-quant convert` starts its workers' fork server (about a second of one core: numba, the
+    kernels) before the driver imports numpy and plans; that is only a head start while the CLI module
+    itself imports none of numpy, numba, torch or the hub client."""
     import subprocess
     import sys
 

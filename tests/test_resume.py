@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import interrupt_in_exec
 from conftest import (JOURNAL_NAME, assert_not_complete_looking, default_sigint, error_line, kq, looks_loadable,
                       snapshot, target_args)
 
@@ -398,6 +399,22 @@ def test_ctrl_c_during_start_up_is_one_line(mid_source, tmp_path, delay):
     assert p.returncode == 130, err
     lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("convert ")]
     assert lines == ["kimi-quant: interrupted; re-run the same command to resume"], err
+
+
+def test_ctrl_c_in_exec_code_during_start_up_exits_130(mid_source, tmp_path):
+    """The Ctrl-C of the test above, landed at the exact point that made it fail now and then (returncode -2,
+    killed by SIGINT, after the right line): with the fork server running, while the driver runs code that
+    ``exec`` built from a string, i.e. defines a dataclass, as imports do (the converter's, when the CLI
+    starts the fork server before importing it; kimi_quant.estimate's, while planning). CPython flags such a
+    KeyboardInterrupt as unhandled although the CLI catches it, and under ``python -m`` killed itself with
+    SIGINT at exit instead of exiting 130."""
+    out, mark = tmp_path / "out", tmp_path / "fired"
+    r = interrupt_in_exec.run(convert_args(mid_source, out), "fork-server", mark)
+    assert mark.exists(), f"no dataclass was defined once the fork server ran: nothing was interrupted\n{r.stderr}"
+    assert r.returncode == 130, (mark.read_text(), r.stderr)
+    lines = [ln for ln in r.stderr.replace("\r", "\n").splitlines() if ln.strip() and not ln.startswith("convert ")]
+    assert lines == ["kimi-quant: interrupted; re-run the same command to resume"], r.stderr
+    assert not looks_loadable(out)
 
 
 def test_ctrl_c_is_one_line_and_resumes(mid_source, clean, tmp_path):

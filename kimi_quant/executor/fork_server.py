@@ -1,9 +1,11 @@
-"""The local executor's fork server.
+"""The local executor's fork server, started as early as the driver knows it will need one.
 
 Workers fork from a ``multiprocessing`` fork server that has imported the unit code and loaded the
 kernels (``preload.py``): ~0.2 s of one core (python, numpy, the compiled kernels of ``quant.aot``;
-~0.9 s where the kernels are numba's JIT ones), which runs while the driver plans. This module imports nothing heavy, so it can be
-started before the driver imports numpy.
+~0.9 s where the kernels are numba's JIT ones), which nothing else waits on once the server is
+started. This module imports nothing heavy, so ``kimi-quant convert`` starts the server right after
+parsing its options, before the driver imports numpy and plans (``start_fork_server``); the
+executor's own start finds it running.
 """
 
 from __future__ import annotations

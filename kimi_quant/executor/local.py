@@ -124,7 +124,7 @@ class LocalExecutor:
             self._warm = threading.Thread(target=self._warm_up, name="kq-warmup", daemon=True)
             self._warm.start()
             return self
-        # The server starts now unless it runs already (ensure_running does not
+        # The server starts now unless `kimi-quant convert` started it already (ensure_running does not
         # wait for it) and loads the kernels while the driver plans.  Workers are launched from a
         # thread: a Ctrl-C (handled in the main thread) then never lands inside a launch, and shutdown
         # waits for launches to finish, so no worker is left half-started (it would print a traceback
