@@ -498,6 +498,10 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     if do_validate and not Path(source).expanduser().is_dir():
         raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                              "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
+    if not calibrate and not do_validate:
+        # numpy's OpenBLAS starts a thread per core that spins for a while once numpy loads (~0.1 core-s a
+        # run, taken from the workers); nothing in a plain conversion multiplies matrices (workers: the same)
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if executor == "local" and not calibrate and (workers or default_workers()) > 1:
         # the fork server's start-up (python, numpy, the unit code, the kernels) runs while this process
         # imports numpy and plans; convert's executor then finds the server running. A Ctrl-C meanwhile
