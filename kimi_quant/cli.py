@@ -435,8 +435,8 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
             lines.append(f"         + ~{_duration(job['compile_seconds'])} compiling the kernels (first run only)")
     kernels = job.get("kernels") or {}
     if kernels.get("build") == "jit" and job["executor"] == "local":
-        lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled build failed "
-                     f"({kernels['why']}); delete {kernels['retry']} to try it again")
+        lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled kernels are "
+                     f"not used ({kernels['why']}); delete {kernels['retry']} to build them again")
         if job.get("calibrate_seconds"):
             lines.append(f"         incl. ~{_duration(job['calibrate_seconds'])} for --calibrate")
         if job["download_bytes"] and job.get("link_gbps"):

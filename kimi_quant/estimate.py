@@ -195,7 +195,7 @@ def kernels_cached() -> bool | None:
     from .quant import aot
 
     state = aot.state()
-    if state != "failed":
+    if state in ("built", "missing"):
         return state == "built"
     if os.environ.get("NUMBA_CACHE_DIR"):
         root = Path(os.environ["NUMBA_CACHE_DIR"])
@@ -212,8 +212,11 @@ def kernels_build() -> dict:
     from .quant import aot
 
     state = aot.state()
-    if state != "failed":
+    if state in ("built", "missing"):
         return {"build": "compiled" if state == "built" else "to build"}
+    if state == "untrusted":
+        return {"build": "jit", "why": "group or others may write the module file, so it is not loaded",
+                "retry": str(aot.module_path())}
     try:
         why = aot.failed_path().read_text().strip()
     except OSError:

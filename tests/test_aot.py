@@ -135,5 +135,9 @@ def test_module_others_can_write_is_not_loaded(tmp_path, monkeypatch):
     shutil.copyfile(built, target)
     os.chmod(target, 0o775)
     assert aot.load(build=False) is None
+    assert aot.state() == "untrusted"
+    from kimi_quant.estimate import kernels_build
+
+    assert kernels_build()["build"] == "jit"
     os.chmod(target, 0o755)
     assert aot.load(build=False) is not None

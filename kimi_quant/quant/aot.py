@@ -108,10 +108,11 @@ def failed_path(k: str | None = None) -> Path:
 
 
 def state() -> str:
-    """"built", "failed" (the JIT kernels are used) or "missing" (the next conversion builds it)."""
+    """"built", "missing" (the next conversion builds it), or where numba's JIT kernels are used:
+    "failed" (the build did) or "untrusted" (the module file is writable by others, see ``_trusted``)."""
     k = key()
     if module_path(k).is_file():
-        return "built"
+        return "built" if _trusted(module_path(k)) else "untrusted"
     return "failed" if failed_path(k).is_file() else "missing"
 
 
@@ -205,7 +206,9 @@ def _build(k: str, path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cc.compile()  # verbose off: distutils echoes no command lines
-        built = next(scratch.glob(_module_name(k) + "*"))
+        built = next(scratch.glob(_module_name(k) + "*"), None)
+        if built is None:
+            raise RuntimeError(f"numba.pycc reported success but wrote no module into {scratch}")
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         shutil.copyfile(built, tmp)
