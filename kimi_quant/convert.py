@@ -382,7 +382,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
 
 class _WaitingBar:
     """Until the first bytes are done the bar would sit at 0% and 00:00 with no word why: the workers
-    load the kernels (~15 s the first time, while numba compiles them) or the first hub shards download.
+    load the kernels (~20 s the first time, while they are built) or the first hub shards download.
     Say so, keep the clock ticking on a terminal, and leave the wait out of the bar's rate (else its
     first ETA is hours)."""
 
