@@ -433,10 +433,6 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
                      f"one core at this machine's codec rates, ~{job['rate_gbps']:.2f} GB/s)")
         if job.get("compile_seconds"):
             lines.append(f"         + ~{_duration(job['compile_seconds'])} compiling the kernels (first run only)")
-    kernels = job.get("kernels") or {}
-    if kernels.get("build") == "jit" and job["executor"] == "local":
-        lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled kernels are "
-                     f"not used ({kernels['why']}); delete {kernels['retry']} to build them again")
         if job.get("calibrate_seconds"):
             lines.append(f"         incl. ~{_duration(job['calibrate_seconds'])} for --calibrate")
         if job["download_bytes"] and job.get("link_gbps"):
@@ -446,6 +442,10 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
         elif job["download_bytes"]:
             lines.append(f"         + downloading {_gb(job['download_bytes'])}, overlapped with converting "
                          f"(alone at 1 GB/s: {_duration(job['download_bytes'] / 1e9)}; --link-gbps counts it)")
+    kernels = job.get("kernels") or {}
+    if kernels.get("build") == "jit" and job["executor"] == "local":
+        lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled kernels are "
+                     f"not used ({kernels['why']}); delete {kernels['retry']} to build them again")
     lines.append("quant    " + model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())))
     return lines
 
