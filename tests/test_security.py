@@ -751,3 +751,43 @@ def test_validate_never_reads_a_shard_outside_the_directories_named(tmp_path, si
     line = error_line(r.stderr)
     assert "outside" in line or "not a file of the checkpoint" in line or "'..' component" in line, line
     assert "Traceback" not in r.stderr
+
+
+def _nonfinite_reference(arr, dtype):
+    """The plain whole-array test that ``nonfinite`` must agree with."""
+    bits = {"BF16": 0x7F80, "F8_E4M3": 0x7F, "F8_E5M2": 0x7C, "F8_E8M0": 0xFF}.get(dtype)
+    if bits is not None:
+        return bool(np.any((arr & bits) == bits))
+    if dtype in ("F16", "F32", "F64"):
+        return not bool(np.isfinite(arr).all())
+    return False
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F16", "F32", "U8", "I8"])
+def test_nonfinite_scans_in_blocks_like_the_whole_array(dtype):
+    """``nonfinite`` walks big tensors in blocks (no whole-tensor temporaries): one bad element anywhere,
+    first or last of a block, of any shape, is still found, and a clean tensor is still clean."""
+    from kimi_quant.dtypes import STORAGE, _SCAN_BLOCK, nonfinite
+
+    rng = np.random.default_rng(7)
+    st = STORAGE[dtype]
+    for size in (0, 1, 31, _SCAN_BLOCK - 1, _SCAN_BLOCK, _SCAN_BLOCK + 1, 3 * _SCAN_BLOCK + 5):
+        if st.kind == "f":
+            clean = rng.standard_normal(size).astype(st)
+            bad_values = [np.inf, -np.inf, np.nan]
+        else:
+            top = np.iinfo(st).max
+            clean = (rng.integers(0, top + 1, size) & 0x3F).astype(st)  # exponent field never all ones
+            bad_values = [{"BF16": 0xFF80, "F8_E4M3": 0xFF, "F8_E5M2": 0x7D, "F8_E8M0": 0xFF}.get(dtype, top)]
+        for arr in (clean, clean.reshape(1, -1), clean.reshape(-1, 1)):
+            assert nonfinite(arr, dtype) is False
+        for at in sorted({0, size // 2, _SCAN_BLOCK - 1, _SCAN_BLOCK, size - 1}):
+            if not 0 <= at < size:
+                continue
+            for v in bad_values:
+                arr = clean.copy()
+                arr[at] = v
+                expected = _nonfinite_reference(arr, dtype)
+                assert expected == (dtype not in ("U8", "I8"))
+                assert nonfinite(arr, dtype) is expected
+                assert nonfinite(arr.reshape(1, -1), dtype) is expected
