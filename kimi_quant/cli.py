@@ -19,7 +19,7 @@ import click
 
 from . import __version__
 from .errors import KimiQuantError, ValidationFailed
-from .executor.fork_server import default_workers, start_fork_server
+from .executor.fork_server import default_workers, fork_workers_here, start_fork_server
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -502,10 +502,12 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
         # numpy's OpenBLAS starts a thread per core that spins for a while once numpy loads (~0.1 core-s a
         # run, taken from the workers); nothing in a plain conversion multiplies matrices (workers: the same)
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if executor == "local" and not calibrate and (workers or default_workers()) > 1:
-        # the fork server's start-up (python, numpy, the unit code, the kernels) runs while this process
-        # imports numpy and plans; convert's executor then finds the server running. A Ctrl-C meanwhile
-        # most likely lands in an import: see _forget_caught_interrupt
+    if executor == "local" and not calibrate and (workers or default_workers()) > 1 \
+            and (do_validate or not fork_workers_here()):
+        # workers that cannot be forked from this process (see executor.fork_server; --validate imports
+        # torch) come from a fork server: its start-up (python, numpy, the unit code, the kernels) runs
+        # while this process imports numpy and plans, and convert's executor finds the server running.
+        # A Ctrl-C meanwhile most likely lands in an import: see _forget_caught_interrupt
         start_fork_server()
     from .convert import ConvertOptions, convert as run_convert
 

@@ -9,8 +9,8 @@ program catches it further up; under ``python -m`` (``pymain_run_module``), afte
 A test has to run through ``-m`` to see that, hence this module (a test helper, not a test).
 
 KQ_INTERRUPT_AT says where to fire, once: at the first dataclass that module defines (a module name such
-as ``kimi_quant.targets``), or at the first one any ``kimi_quant`` module defines once the workers' fork
-server has been started (``fork-server``). The SIGINT goes to
+as ``kimi_quant.targets``), or at the first one any ``kimi_quant`` module defines once the workers exist,
+or the fork server they come from (``workers``). The SIGINT goes to
 the whole process group, as a terminal's Ctrl-C does (start this in a session of its own). When it
 fires, the name of the module being imported is written to KQ_INTERRUPT_MARK.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import multiprocessing
 import os
 import runpy
 import signal
@@ -36,10 +37,10 @@ def _due(namespace) -> bool:
     if _fired or not isinstance(namespace, dict):
         return False
     module, at = str(namespace.get("__name__", "")), os.environ.get("KQ_INTERRUPT_AT", "")
-    if at == "fork-server":
+    if at == "workers":
         fork_server = sys.modules.get("kimi_quant.executor.fork_server")
         return (module.startswith("kimi_quant.") and fork_server is not None
-                and fork_server.fork_server_pid() is not None)
+                and (fork_server.fork_server_pid() is not None or bool(multiprocessing.active_children())))
     return module == at
 
 

@@ -7,8 +7,8 @@ An executor has ``slots`` (jobs that run at once), ``submit(job_json, paths, out
 a ``concurrent.futures.Future`` of the job's result dict (``unit.run_job``), and ``shutdown(abort)``.
 Progress (bytes of input done) goes to the ``on_progress`` callback given at construction.
 
-Imports are lazy: ``kimi-quant convert`` starts the fork server (``fork_server``) before the driver
-imports numpy.
+Imports are lazy: where workers come from a fork server (``fork_server``), ``kimi-quant convert``
+starts it before the driver imports numpy.
 """
 
 __all__ = ["LocalExecutor", "make_executor"]

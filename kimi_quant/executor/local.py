@@ -2,16 +2,18 @@
 
 Processes rather than threads because the int4/MX kernels hold the GIL-free core for long
 stretches and torch/numpy intra-op threading on 2 cores was measured to be erratic.
-Workers fork from a ``forkserver`` that has imported the unit code and loaded the kernels
-(``preload.py``): a worker starts in milliseconds instead of re-importing numpy and the kernels,
-missing kernels are built once (``quant.aot``), and a finished worker leaves with ``os._exit``
-instead of a slow interpreter teardown.
+Workers are forked with the unit code imported and the kernels loaded, from the driver itself
+where that is safe, else from a fork server (``fork_server``): a worker starts in milliseconds
+instead of re-importing numpy and the kernels, missing kernels are built once (``quant.aot``),
+and a finished worker leaves with ``os._exit`` instead of a slow interpreter teardown.
 With ``workers=1`` units run in the driver process itself (no start-up cost, easy debugging).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import multiprocessing as mp
 import os
 import queue
 import select
@@ -23,7 +25,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 from ..errors import KimiQuantError
-from .fork_server import default_workers, fork_server_pid, start_fork_server
+from .fork_server import default_workers, fork_server_pid, fork_workers_here, sigint_blocked, start_fork_server
 from .unit import run_job
 
 _progress_queue = None
@@ -55,7 +57,7 @@ def _no_interrupts(active: bool):
 def _init_worker(q, driver: int) -> None:
     global _progress_queue
     _progress_queue = q
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # blocked already when the fork server started inside _worker_birth
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # blocked already: workers start inside sigint_blocked
     threading.Thread(target=_exit_with_driver, args=(driver,), daemon=True).start()
 
 
@@ -124,19 +126,38 @@ class LocalExecutor:
             self._warm = threading.Thread(target=self._warm_up, name="kq-warmup", daemon=True)
             self._warm.start()
             return self
+        if fork_server_pid() is None and fork_workers_here():
+            return self._fork_here()
         # The server starts now unless `kimi-quant convert` started it already (ensure_running does not
         # wait for it) and loads the kernels while the driver plans.  Workers are launched from a
         # thread: a Ctrl-C (handled in the main thread) then never lands inside a launch, and shutdown
         # waits for launches to finish, so no worker is left half-started (it would print a traceback
         # once the driver has gone).
-        ctx = start_fork_server()
+        self._open_pool(start_fork_server())
+        self._drain.start()
+        self._launcher = threading.Thread(target=self._launch, name="kq-launch", daemon=True)
+        self._launcher.start()
+        return self
+
+    def _open_pool(self, ctx) -> None:
         self._queue = ctx.Queue()
         self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker,
                                          initargs=(self._queue, os.getpid()))
         self._drain = threading.Thread(target=self._drain_progress, daemon=True)
+
+    def _fork_here(self) -> "LocalExecutor":
+        """Fork the workers from this process, now, on its only thread (see ``fork_server``): the pool
+        forks them all at its first submit, before it starts its own threads. SIGINT stays blocked
+        meanwhile, so a Ctrl-C is handled once the workers exist (and shutdown then stops them)."""
+        from ..quant import warmup
+
+        warmup(writable=False)  # loaded (or built) once, here: every worker inherits the kernels
+        gc.freeze()  # what is loaded now lives as long as the workers: their collections need not walk it
+        with sigint_blocked():
+            self._open_pool(mp.get_context("fork"))
+            for _ in range(self.workers):
+                self._pool.submit(_started).add_done_callback(self._mark_ready)
         self._drain.start()
-        self._launcher = threading.Thread(target=self._launch, name="kq-launch", daemon=True)
-        self._launcher.start()
         return self
 
     def _warm_up(self) -> None:
@@ -178,7 +199,8 @@ class LocalExecutor:
 
     def submit(self, job: dict, paths: dict[str, str], out_dir: str) -> Future:
         if self._pool is not None:
-            self._launcher.join()  # the workers exist (interruptible: the launch goes on without us)
+            if self._launcher is not None:
+                self._launcher.join()  # the workers exist (interruptible: the launch goes on without us)
             try:
                 inner = self._pool.submit(_run_job, job, paths, out_dir)
             except BrokenProcessPool as e:  # a worker died before this job was handed out
