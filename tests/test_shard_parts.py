@@ -102,6 +102,29 @@ def test_split_keeps_order_and_covers_every_tensor(src):
     assert split([], 1) == []
 
 
+
+@pytest.mark.parametrize("workers", [1, 2, 8])
+def test_the_last_shard_ends_on_smaller_parts(workers):
+    """``taper``: the parts of a run's last shard shrink towards its end (each closes at its 1/(2 workers)
+    share of the input left when it opened, never below part_bytes / 8), in order and covering every tensor."""
+    from kimi_quant.plan import TensorPlan
+
+    sizes = [7 * 2**20] * 60 + [24 * 2**20] * 4 + [2**20] * 10  # expert-like, then big float, then small
+    tensors = [TensorPlan(name=f"t{i}", file="f", dtype="BF16", shape=[n // 2], scheme="FLOAT", matmul=None, outputs=[])
+               for i, n in enumerate(sizes)]
+    part = 96 * 2**20
+    parts = split(tensors, part, taper=workers)
+    assert [t for p in parts for t in p] == tensors
+    left = sum(sizes)
+    for p in parts:
+        limit = min(part, max(part // 8, left // (2 * workers)))
+        assert sum(t.in_bytes for t in p[:-1]) < limit  # closed as soon as it reached its limit
+        left -= sum(t.in_bytes for t in p)
+    plain = split(tensors, part)
+    assert len(parts) > len(plain)
+    assert sum(t.in_bytes for t in parts[-1]) < sum(t.in_bytes for t in plain[-1])
+    assert split(tensors, part, taper=0) == plain
+
 ENTRIES = [("a", "U8", (5,)), ("b", "BF16", (3, 4)), ("c", "F32", (7,)), ("d", "I8", (0,)), ("e", "U8", (13,))]
 
 

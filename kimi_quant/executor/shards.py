@@ -43,16 +43,25 @@ PART_BYTES = 96 * 2**20
 DRIVER_HASH_MAX_SLOTS = 8
 
 
-def split(tensors: list[TensorPlan], part_bytes: int) -> list[list[TensorPlan]]:
-    """Consecutive runs of ``tensors``, each closed once it holds ``part_bytes`` of input."""
+def split(tensors: list[TensorPlan], part_bytes: int, taper: int = 0) -> list[list[TensorPlan]]:
+    """Consecutive runs of ``tensors``, each closed once it holds ``part_bytes`` of input.
+
+    ``taper`` (the run's last shard: the number of workers): the parts shrink towards the end, each at
+    most a 1/(2 taper) share of the input left when it opens, down to ``part_bytes / 8``, so the run
+    ends on small parts: the last worker to finish, and the driver hashing the last bytes that land,
+    keep the other cores waiting for little."""
     parts: list[list[TensorPlan]] = []
-    size = part_bytes
+    left = sum(t.in_bytes for t in tensors)
+    size = limit = part_bytes
     for t in tensors:
-        if size >= part_bytes:
+        if size >= limit:
             parts.append([])
             size = 0
+            if taper:
+                limit = min(part_bytes, max(part_bytes // 8, left // (2 * taper)))
         parts[-1].append(t)
         size += t.in_bytes
+        left -= t.in_bytes
     return parts
 
 
@@ -63,13 +72,13 @@ class OpenShard:
     were split; nothing is read back), else it is split into parts of about ``part_bytes``."""
 
     def __init__(self, unit: UnitPlan, out_dir: Path, paths: dict[str, str], part_bytes: int, hash_here: bool,
-                 whole: bool = False, identities: dict[str, str] | None = None):
+                 whole: bool = False, identities: dict[str, str] | None = None, taper: int = 0):
         self.unit, self.paths, self.whole = unit, paths, whole
         entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
         self.assembly = ShardAssembly(out_dir / unit.file, entries, hash_here=hash_here and not whole)
         offsets = self.assembly.offsets
         self.jobs: deque[dict] = deque()
-        for i, tensors in enumerate([unit.tensors] if whole else split(unit.tensors, part_bytes)):
+        for i, tensors in enumerate([unit.tensors] if whole else split(unit.tensors, part_bytes, taper)):
             names = [name for t in tensors for name, _, _ in t.outputs]
             needs = sorted({t.file for t in tensors})
             start = offsets[names[0]] if names else 0
@@ -134,7 +143,8 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
                     vetted = {f: source.fetch_vetted(f) for f in unit.needs}
                     paths = {f: str(path) for f, (path, _) in vetted.items()}
                     shard = OpenShard(unit, out_dir, paths, part_bytes, hash_here, whole=whole,
-                                      identities={f: ident for f, (_, ident) in vetted.items()})
+                                      identities={f: ident for f, (_, ident) in vetted.items()},
+                                      taper=0 if pending else executor.slots)  # the run's last shard
                     opened.append(shard)
                     if shard.jobs:
                         feeding.append(shard)
