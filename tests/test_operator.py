@@ -450,3 +450,43 @@ def test_stored_rates_are_remeasured_when_the_measured_code_changes(tmp_path, mo
     path.write_text(json.dumps({**stored, "code": "0" * 16}))  # measured with other kernels
     estimate.load_rates()
     assert len(measured) == 2
+
+
+_WORKERS_PROBE = """
+import multiprocessing as mp, sys
+from kimi_quant.convert import ConvertOptions, convert
+from kimi_quant.executor import fork_server, local
+
+seen = {}
+start = local.LocalExecutor.start
+def probed(self):
+    out = start(self)
+    seen["server"] = fork_server.fork_server_pid()
+    seen["children"] = [open(f"/proc/{p.pid}/cmdline", "rb").read().split(b"\\0")[:3] for p in mp.active_children()]
+    return out
+local.LocalExecutor.start = probed
+res = convert(sys.argv[1], ConvertOptions(target="a3", output=sys.argv[2], workers=2, quiet=True))
+print(seen["server"], len(seen["children"]), res.converted_units)
+"""
+
+
+@pytest.mark.parametrize("blas_threads", ["1", None])
+def test_workers_fork_from_the_driver_when_it_has_one_thread(tiny_source, tmp_path, blas_threads):
+    """A driver with a single thread (the CLI sets OPENBLAS_NUM_THREADS=1 before numpy starts its pool)
+    forks its workers itself: no fork server, no resource tracker, just the workers. One with more threads
+    (numpy's BLAS pool) would fork them with locks possibly held: it starts them from a fork server."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if blas_threads:
+        env["OPENBLAS_NUM_THREADS"] = blas_threads
+    r = subprocess.run([sys.executable, "-c", _WORKERS_PROBE, str(tiny_source), str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    server, children, units = r.stdout.split()
+    assert int(units) >= 1
+    if blas_threads:
+        assert server == "None" and children == "2", r.stdout  # the two workers, nothing else
+    elif (os.cpu_count() or 1) > 1:  # numpy's BLAS pool has a thread per core beyond the first
+        assert server != "None", r.stdout

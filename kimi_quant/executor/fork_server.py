@@ -50,11 +50,24 @@ def fork_workers_here() -> bool:
     thread pools do not survive a fork either. And the compiled kernels must be there to load: building
     them (~20 s, the first run on a machine) or setting up numba's JIT is left to a fork server, beside
     the driver's planning, where an abort can stop it at once (numba's compiler swallows a Ctrl-C)."""
-    if not (sys.platform.startswith("linux") and threading.active_count() == 1 and "torch" not in sys.modules):
+    if not (sys.platform.startswith("linux") and _threads() == 1 and "torch" not in sys.modules):
         return False
     from ..quant import aot
 
     return aot.state() == "built"
+
+
+def _threads() -> int:
+    """Threads of this process, native ones included (numpy's OpenBLAS starts a pool at import unless
+    OPENBLAS_NUM_THREADS=1, as the CLI sets it; Python 3.12+ warns when such a process forks)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return threading.active_count()
 
 
 @contextlib.contextmanager
