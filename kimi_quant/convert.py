@@ -387,8 +387,6 @@ class _WaitingBar:
     first ETA is hours)."""
 
     def __init__(self, bar, executor, staging: bool):
-        from .estimate import kernels_cached
-
         self.bar = bar
         self.executor = executor
         self.staging = staging
@@ -396,6 +394,8 @@ class _WaitingBar:
         if bar.disable:
             self._stop.set()
             return
+        from .estimate import kernels_cached
+
         what = "compiling kernels (first run only, ~20 s)" if kernels_cached() is False else "loading kernels"
         bar.set_postfix_str(what + ("; first shards downloading" if staging else ""))
         if getattr(bar.fp, "isatty", lambda: False)():

@@ -188,13 +188,14 @@ def calibrate_seconds(plan: Plan, rates: Rates, workers: int) -> float | None:
     return None
 
 
-def kernels_cached() -> bool | None:
+def kernels_cached(state: str | None = None) -> bool | None:
     """Whether the kernels are ready to load: compiled ahead of time (``quant.aot``), or, where that
     build failed, in numba's cache: in NUMBA_CACHE_DIR when set, else next to their source (None:
-    cannot tell, the source directory is read-only and numba uses a per-user directory)."""
+    cannot tell, the source directory is read-only and numba uses a per-user directory).
+    ``state``: ``aot.state()`` when the caller has it already."""
     from .quant import aot
 
-    state = aot.state()
+    state = state or aot.state()
     if state in ("built", "missing"):
         return state == "built"
     if os.environ.get("NUMBA_CACHE_DIR"):
@@ -206,12 +207,12 @@ def kernels_cached() -> bool | None:
     return any((quant / "__pycache__").glob("kernels.*.nbi"))
 
 
-def kernels_build() -> dict:
+def kernels_build(state: str | None = None) -> dict:
     """Which kernels this machine's workers run: {"build": "compiled" | "jit" | "to build", "why": the
-    reason a compiled build failed, "retry": the file to delete to try it again}."""
+    reason a compiled build failed, "retry": the file to delete to try it again}. ``state``: as above."""
     from .quant import aot
 
-    state = aot.state()
+    state = state or aot.state()
     if state in ("built", "missing"):
         return {"build": "compiled" if state == "built" else "to build"}
     if state == "untrusted":
@@ -248,6 +249,9 @@ def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "
     tensors = sum(1 for _ in plan.tensors())
     parallel = max(1, min(workers, tensors or 1, cores if executor == "local" else workers))
     per_worker = biggest + WORKER_FIXED_BYTES
+    from .quant import aot
+
+    kernel_state = aot.state()  # hashes the kernel sources: once
     job = {
         "in_bytes": plan.in_bytes, "out_bytes": plan.out_bytes, "units": len(plan.units),
         "disk_output_bytes": plan.out_bytes,
@@ -260,12 +264,12 @@ def size_job(plan: Plan, rates: Rates | None, *, workers: int, executor: str = "
         # local: the driver and its workers on this machine; Ray: the driver here, each task where Ray puts it
         "memory_peak_bytes": DRIVER_BYTES + (workers * per_worker if executor == "local" else 0),
         "download_bytes": sum(sizes.values()) if hub else 0,
-        "kernels": kernels_build(),
+        "kernels": kernels_build(kernel_state),
     }
     if rates is not None:
         per_unit = unit_core_seconds(plan, rates)
         core_s = sum(per_unit)
-        cached = kernels_cached()
+        cached = kernels_cached(kernel_state)
         compute = core_s / parallel
         download = job["download_bytes"] / link_bps if job["download_bytes"] and link_bps else 0.0
         calib = calibrate_seconds(plan, rates, workers)
