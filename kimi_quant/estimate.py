@@ -42,7 +42,7 @@ SAMPLE_SHAPE = (1024, 3584)
 #: the driver's own memory (imports, the plan, the journal) and the fixed buffers of a worker
 DRIVER_BYTES = 300 * 1024**2
 WORKER_FIXED_BYTES = 64 * 1024**2
-#: starting the driver and the workers' fork server, and writing the metadata, with the kernels cached
+#: starting the driver and its workers, the split shard's overhead, and writing the metadata, with the kernels cached
 STARTUP_S = 1.0
 #: building the compiled kernels (``quant.aot``; the first run after installing or upgrading)
 COMPILE_S = 20.0

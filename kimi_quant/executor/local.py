@@ -64,8 +64,9 @@ def _init_worker(q, driver: int) -> None:
 def _exit_with_driver(driver: int) -> None:
     """A worker whose driver died (SIGKILL, OOM killer) exits at once instead of finishing its unit
     and committing a shard that a resumed run may be rewriting; the unfinished shard stays a
-    .partial that the resumed run removes.  Workers are children of the fork server, not of the
-    driver, so the driver is watched by pid: a pidfd turns readable when it exits."""
+    .partial that the resumed run removes.  Nothing tells a process that its parent died (and workers
+    of a fork server are not the driver's children at all), so the driver is watched by pid: a pidfd
+    turns readable when it exits."""
     try:
         fd = os.pidfd_open(driver)
     except (AttributeError, OSError):  # no pidfd (not Linux >= 5.3): poll
