@@ -87,13 +87,10 @@ def nonfinite(arr: np.ndarray, dtype: str) -> bool:
         block = flat[i:i + _SCAN_BLOCK]
         h = hit[:block.size]
         if masked is None:
-            np.isfinite(block, out=h)
-            if not h.all():
-                return True
-            continue
-        m = masked[:block.size]
-        np.bitwise_and(block, bits, out=m)
-        np.equal(m, bits, out=h)
-        if h.any():
+            bad = not np.isfinite(block, out=h).all()
+        else:
+            m = np.bitwise_and(block, bits, out=masked[:block.size])
+            bad = np.equal(m, bits, out=h).any()
+        if bad:
             return True
     return False

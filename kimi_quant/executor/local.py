@@ -152,7 +152,7 @@ class LocalExecutor:
         meanwhile, so a Ctrl-C is handled once the workers exist (and shutdown then stops them)."""
         from ..quant import warmup
 
-        warmup(writable=False)  # loaded (or built) once, here: every worker inherits the kernels
+        warmup(writable=False)  # loaded once, here (built already: fork_workers_here): every worker inherits them
         gc.freeze()  # what is loaded now lives as long as the workers: their collections need not walk it
         with sigint_blocked():
             self._open_pool(mp.get_context("fork"))
