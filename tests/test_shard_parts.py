@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -163,6 +164,49 @@ def test_parts_in_any_order_equal_one_stream(tmp_path):
         assert asm.done.result(timeout=30) == (size, sha)
         assert path.read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
         assert not asm.tmp.exists()
+
+
+def test_local_part_writers_take_turns_on_the_file(tmp_path, monkeypatch):
+    """Writers on one node write into the shared file one at a time (flock): a writer waits while
+    another holds the file, writes once it is released, and goes on without turns where the file
+    system has no such lock."""
+    import errno
+    import fcntl
+    import threading
+
+    data, _ = _reference(tmp_path, 3)
+    path = tmp_path / "t.safetensors"
+    asm = ShardAssembly(path, ENTRIES, hash_here=False)
+    entries = {n: (d, s) for n, d, s in ENTRIES}
+    other = os.open(asm.tmp, os.O_RDWR)  # another worker's descriptor, holding its turn
+    fcntl.flock(other, fcntl.LOCK_EX)
+    w = PartWriter(asm.tmp, asm.offsets, entries, path.name, take_turns=True)
+    t = threading.Thread(target=w.write, args=("a", data["a"]), daemon=True)
+    t.start()
+    try:
+        t.join(0.3)
+        assert t.is_alive()  # waiting for its turn
+        assert os.pread(other, 5, asm.offsets["a"]) == bytes(5)
+    finally:
+        fcntl.flock(other, fcntl.LOCK_UN)
+    t.join(10)
+    assert not t.is_alive()
+    with open(asm.tmp, "rb") as f:
+        f.seek(asm.offsets["a"])
+        assert f.read(data["a"].nbytes) == data["a"].tobytes()
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the writer let go of its turn
+    os.close(other)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    w.write("b", data["b"])  # no turns here: written all the same
+    w.close()
+    with open(asm.tmp, "rb") as f:
+        f.seek(asm.offsets["b"])
+        assert f.read(data["b"].nbytes) == data["b"].tobytes()
+    asm.abort()
 
 
 def test_abort_removes_the_file_and_a_late_worker_stops(tmp_path):
