@@ -167,45 +167,70 @@ def test_parts_in_any_order_equal_one_stream(tmp_path):
 
 
 def test_local_part_writers_take_turns_on_the_file(tmp_path, monkeypatch):
-    """Writers on one node write into the shared file one at a time (flock): a writer waits while
-    another holds the file, writes once it is released, and goes on without turns where the file
-    system has no such lock."""
+    """Writers on one node write into the shared file one at a time (flock). While another has the
+    file, a writer keeps what ``write`` gave it (up to HOLD_BYTES) instead of waiting, and writes it
+    at its next turn; ``close`` waits for that turn; after an error what it holds is dropped; where
+    the file system has no such lock it writes without turns."""
     import errno
     import fcntl
     import threading
+
+    import kimi_quant.write.shard_parts as shard_parts
 
     data, _ = _reference(tmp_path, 3)
     path = tmp_path / "t.safetensors"
     asm = ShardAssembly(path, ENTRIES, hash_here=False)
     entries = {n: (d, s) for n, d, s in ENTRIES}
     other = os.open(asm.tmp, os.O_RDWR)  # another worker's descriptor, holding its turn
+
+    def in_file(name):
+        return os.pread(other, data[name].nbytes, asm.offsets[name]) == data[name].tobytes()
+
+    def blocked(call) -> threading.Thread:
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        t.join(0.3)
+        return t
+
     fcntl.flock(other, fcntl.LOCK_EX)
     w = PartWriter(asm.tmp, asm.offsets, entries, path.name, take_turns=True)
-    t = threading.Thread(target=w.write, args=("a", data["a"]), daemon=True)
-    t.start()
     try:
-        t.join(0.3)
-        assert t.is_alive()  # waiting for its turn
-        assert os.pread(other, 5, asm.offsets["a"]) == bytes(5)
+        t = blocked(lambda: w.write("a", data["a"]))  # kept: the call returns at once
+        assert not t.is_alive() and not in_file("a")
+        monkeypatch.setattr(shard_parts, "HOLD_BYTES", data["a"].nbytes)
+        t = blocked(lambda: w.write("b", data["b"]))  # over what it may keep: waits for its turn
+        assert t.is_alive() and not in_file("a") and not in_file("b")
     finally:
         fcntl.flock(other, fcntl.LOCK_UN)
     t.join(10)
-    assert not t.is_alive()
-    with open(asm.tmp, "rb") as f:
-        f.seek(asm.offsets["a"])
-        assert f.read(data["a"].nbytes) == data["a"].tobytes()
+    assert not t.is_alive() and in_file("a") and in_file("b")
+    monkeypatch.setattr(shard_parts, "HOLD_BYTES", 1 << 30)
     fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the writer let go of its turn
-    os.close(other)
+    try:
+        w.write("c", data["c"])
+        t = blocked(w.close)  # close writes what it holds: at its turn
+        assert t.is_alive() and not in_file("c")
+    finally:
+        fcntl.flock(other, fcntl.LOCK_UN)
+    t.join(10)
+    assert not t.is_alive() and in_file("c")
+
+    fcntl.flock(other, fcntl.LOCK_EX)
+    w = PartWriter(asm.tmp, asm.offsets, entries, path.name, take_turns=True)
+    w.write("e", data["e"])
+    w.close(write_held=False)  # after an error: dropped, and no wait
+    fcntl.flock(other, fcntl.LOCK_UN)
+    assert not in_file("e")
 
     def no_locks(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    w.write("b", data["b"])  # no turns here: written all the same
+    w = PartWriter(asm.tmp, asm.offsets, entries, path.name, take_turns=True)
+    w.write("e", data["e"])  # no turns on this file system: written all the same
+    assert in_file("e")
     w.close()
-    with open(asm.tmp, "rb") as f:
-        f.seek(asm.offsets["b"])
-        assert f.read(data["b"].nbytes) == data["b"].tobytes()
+    os.close(other)
     asm.abort()
 
 

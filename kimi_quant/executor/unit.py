@@ -88,7 +88,7 @@ def convert_part(job: dict, paths: dict[str, str], out_dir: str,
         else:
             writer.close(sync=sync)
     finally:
-        writer.close()
+        writer.close(write_held=False)  # after an error: the driver removes the file
     res["inputs"] = _hash_inputs(job, paths)
     return res
 

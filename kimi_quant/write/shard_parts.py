@@ -36,6 +36,10 @@ from .atomic import disk_full, fsync_dir
 from .safetensors_writer import encode_header
 
 HASH_CHUNK = 16 * 1024 * 1024
+#: what a part writer keeps in memory, at most, while another writer of its node has its turn at the file
+HOLD_BYTES = 32 * 1024 * 1024
+#: flock's errors where the file system has no such lock: the writer goes on without turns
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
 def tensor_offsets(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
@@ -169,17 +173,6 @@ def finish_shard(tmp: str | Path, path: str | Path, size: int) -> str:
     return sha
 
 
-def _flock(fd: int, op: int) -> bool:
-    """``flock(fd, op)``; False where the file system has no such lock (the writer then goes on without)."""
-    try:
-        fcntl.flock(fd, op)
-    except OSError as e:
-        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return False
-        raise
-    return True
-
-
 def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
     while buf.nbytes:
         n = os.pwrite(fd, buf, offset)
@@ -200,12 +193,16 @@ class PartWriter:
     into one file are serialized by its inode lock anyway (tmpfs, ext4, xfs), and the kernel spins
     on that lock while its holder copies: two workers writing one tmpfs file burned 1.26 core-s
     where two files took 0.81 (same bytes). ``flock`` sleeps instead, so the driver's hash thread
-    gets the core. Not across nodes: over NFS a ``flock`` is a network lock."""
+    gets the core; and a writer whose turn has not come keeps what ``write`` gave it (up to
+    ``HOLD_BYTES``) and goes on converting, to write it at its next turn. Not across nodes: over NFS
+    a ``flock`` is a network lock."""
 
     def __init__(self, tmp: str | Path, offsets: dict[str, int], entries: dict[str, tuple[str, tuple[int, ...]]],
                  shard: str, whole: bool = False, take_turns: bool = False):
         self.tmp, self.offsets, self.entries, self.shard = Path(tmp), offsets, entries, shard
         self._turns = take_turns and not whole  # a whole shard has no other writer
+        self._held: list[tuple[memoryview, int]] = []  # (bytes, offset) waiting for this writer's turn
+        self._held_bytes = 0
         try:
             self._fd = os.open(self.tmp, os.O_RDWR if whole else os.O_WRONLY)
         except FileNotFoundError:
@@ -221,30 +218,64 @@ class PartWriter:
         dtype, shape = self.entries[name]
         return nbytes(dtype, shape)
 
-    def _put(self, buf: memoryview, offset: int) -> None:
+    def _put(self, buf: memoryview, offset: int, keep: bool = False) -> None:
+        """Write ``buf`` at ``offset``; ``keep``: the caller never changes it, so it may wait for a turn."""
         if self._sha is not None:
             if offset != self._at:
                 raise RuntimeError(f"whole-shard writer for {self.shard}: bytes at {offset}, expected {self._at}")
             self._sha.update(buf)
             self._at += buf.nbytes
+        if not self._turns:
+            self._pwrite(buf, offset)
+            return
+        self._held.append((buf, offset))
+        self._held_bytes += buf.nbytes
+        self._write_held(wait=not keep or self._held_bytes > HOLD_BYTES)
+
+    def _write_held(self, wait: bool) -> None:
+        """Write what this writer holds at its turn: now (``wait``), or only if no other writer has the file."""
+        if not self._held:
+            return
+        turn = self._take_turn(wait)
+        if turn is None:
+            return
         try:
-            if self._turns:
-                self._turns = _flock(self._fd, fcntl.LOCK_EX)
-            try:
-                _pwrite_all(self._fd, buf, offset)
-            finally:
-                if self._turns:
-                    _flock(self._fd, fcntl.LOCK_UN)
+            for buf, offset in self._held:
+                self._pwrite(buf, offset)
+            self._held, self._held_bytes = [], 0
+        finally:
+            if turn:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _take_turn(self, wait: bool) -> bool | None:
+        """True: this writer has the file; None: another has it (only without ``wait``); False: the
+        file system has no such lock, and this writer goes on without turns."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
+            self._turns = False
+            return False
+        return True
+
+    def _pwrite(self, buf: memoryview, offset: int) -> None:
+        try:
+            _pwrite_all(self._fd, buf, offset)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise disk_full(self.tmp.parent / self.shard, e) from None
             raise
 
     def write(self, name: str, data) -> None:
+        """Write tensor ``name``; ``data`` must not change afterwards: taking turns, it may be written
+        later (at a next ``write`` or ``close``). ``write_chunks`` writes each chunk before the next."""
         buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data).cast("B")
         if buf.nbytes != self._size(name):
             raise RuntimeError(f"part of {self.shard}: {name} has {buf.nbytes} bytes, expected {self._size(name)}")
-        self._put(buf, self.offsets[name])
+        self._put(buf, self.offsets[name], keep=True)
 
     def write_chunks(self, name: str, chunks) -> None:
         at = start = self.offsets[name]
@@ -272,12 +303,15 @@ class PartWriter:
         fsync_dir(path.parent)
         return self._at, self._sha.hexdigest()
 
-    def close(self, sync: bool = False) -> None:
-        """``sync``: flush this part to stable storage now. A shard's writers are on other nodes (Ray),
+    def close(self, sync: bool = False, write_held: bool = True) -> None:
+        """Write what this writer still holds (unless not ``write_held``: after an error) and close.
+        ``sync``: flush this part to stable storage now. A shard's writers are on other nodes (Ray),
         where the driver's fsync of the whole file reaches only its own node's cache."""
         if self._fd is None:
             return
         try:
+            if write_held:
+                self._write_held(wait=True)
             if sync:
                 os.fdatasync(self._fd)
         finally:
