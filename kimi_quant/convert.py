@@ -345,6 +345,9 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     else:
         from tqdm import tqdm
 
+        # no monitor thread: it can outlive the bar, and a process with a second thread forks no workers
+        # for its next convert() (fork_server.fork_workers_here: they come from a fork server instead)
+        tqdm.monitor_interval = 0
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
                    dynamic_ncols=True, smoothing=0.1)
     waiting = None
