@@ -234,6 +234,38 @@ def test_local_part_writers_take_turns_on_the_file(tmp_path, monkeypatch):
     asm.abort()
 
 
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - overlay overlay rw
+30 22 0:25 / /dev/shm rw,nosuid shared:5 - tmpfs tmpfs rw
+41 22 0:40 / /mnt/nfs rw,relatime shared:9 - nfs4 server:/export rw,vers=4.2
+42 41 8:17 / /mnt/nfs/scratch rw,relatime shared:10 - ext4 /dev/sdb1 rw
+43 22 8:33 / /mnt/my\\040disk rw,relatime shared:11 - xfs /dev/sdc1 rw
+44 22 0:50 / /data rw shared:12 - ext4 /dev/sdd1 rw
+45 22 0:51 / /data rw shared:13 - lustre 10.0.0.1@tcp:/fs rw
+"""
+
+
+@pytest.mark.parametrize("path, local", [
+    ("/dev/shm/out", True), ("/mnt/nfs/out", False), ("/mnt/nfs/scratch/out", True), ("/mnt/nfsx", True),
+    ("/mnt/my disk/out", True), ("/data/out", False), ("/", True)])
+def test_turns_only_where_flock_stays_on_the_node(path, local):
+    """Writers take turns (flock) only on a local file system: the last mount on the longest mount
+    point above the path decides (a later mount on /data hides the ext4 under it; /mnt/nfsx is not
+    under /mnt/nfs; an escaped space in a mount point is read as a space)."""
+    from kimi_quant.write import on_local_file_system
+
+    assert on_local_file_system(path, MOUNTINFO) is local
+    assert on_local_file_system(path, "") is False  # nothing known: no turns
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm here")
+def test_the_real_mount_table_is_read():
+    from kimi_quant.write import on_local_file_system
+
+    assert on_local_file_system("/dev/shm") is True  # tmpfs (shm) on any Linux with /dev/shm
+    assert on_local_file_system("/proc/self") is False  # proc
+
+
 def test_abort_removes_the_file_and_a_late_worker_stops(tmp_path):
     path = tmp_path / "x.safetensors"
     asm = ShardAssembly(path, ENTRIES)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..plan import TensorPlan, UnitPlan
-from ..write import ShardAssembly
+from ..write import ShardAssembly, on_local_file_system
 
 #: Input bytes per part: ~0.1 core-s of work, against a few ms of start-up (reader, task). Large
 #: enough that a K3.1 expert matrix is never alone, small enough that the last part of a run is short.
@@ -72,7 +72,8 @@ class OpenShard:
     were split; nothing is read back), else it is split into parts of about ``part_bytes``."""
 
     def __init__(self, unit: UnitPlan, out_dir: Path, paths: dict[str, str], part_bytes: int, hash_here: bool,
-                 whole: bool = False, identities: dict[str, str] | None = None, taper: int = 0):
+                 whole: bool = False, identities: dict[str, str] | None = None, taper: int = 0,
+                 take_turns: bool = False):
         self.unit, self.paths, self.whole = unit, paths, whole
         entries = [(name, dt, tuple(shape)) for t in unit.tensors for name, dt, shape in t.outputs]
         self.assembly = ShardAssembly(out_dir / unit.file, entries, hash_here=hash_here and not whole)
@@ -84,7 +85,7 @@ class OpenShard:
             start = offsets[names[0]] if names else 0
             end = start + sum(t.out_bytes for t in tensors)
             self.jobs.append({"file": unit.file, "part": i, "partial": self.assembly.tmp.name,
-                              "tensors": [t.to_json() for t in tensors], "whole": whole,
+                              "tensors": [t.to_json() for t in tensors], "whole": whole, "take_turns": take_turns,
                               "offsets": {n: offsets[n] for n in names}, "span": [start, end],
                               "needs": needs, "identities": {f: identities[f] for f in needs} if identities else {}})
         self.parts_left = len(self.jobs)
@@ -115,6 +116,8 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
     running: dict[Future, tuple[OpenShard, dict]] = {}
     depth = 2 * executor.slots  # a queued job starts the moment a worker frees up, not after a driver round trip
     hash_here = not getattr(executor, "remote", False) and executor.slots <= DRIVER_HASH_MAX_SLOTS
+    # the writers of a split shard take turns at its file (PartWriter) where they share a node's flock
+    take_turns = not getattr(executor, "remote", False) and on_local_file_system(out_dir)
     opened: list[OpenShard] = []  # every shard opened and not complete (aborted on an error)
     ok = False
 
@@ -144,7 +147,8 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
                     paths = {f: str(path) for f, (path, _) in vetted.items()}
                     shard = OpenShard(unit, out_dir, paths, part_bytes, hash_here, whole=whole,
                                       identities={f: ident for f, (_, ident) in vetted.items()},
-                                      taper=0 if pending else executor.slots)  # the run's last shard
+                                      taper=0 if pending else executor.slots,  # the run's last shard
+                                      take_turns=take_turns)
                     opened.append(shard)
                     if shard.jobs:
                         feeding.append(shard)

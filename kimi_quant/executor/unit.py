@@ -77,9 +77,8 @@ def convert_part(job: dict, paths: dict[str, str], out_dir: str,
     tensors = [TensorPlan(**t) for t in job["tensors"]]
     entries = {name: (dt, tuple(shape)) for t in tensors for name, dt, shape in t.outputs}
     whole = bool(job.get("whole"))
-    # writers of one node take turns; a remote (Ray) part may share the file with other nodes' writers
     writer = PartWriter(Path(out_dir) / job["partial"], job["offsets"], entries, job["file"], whole=whole,
-                        take_turns=not sync)
+                        take_turns=bool(job.get("take_turns")))
     res = {"file": job["file"], "part": job["part"]}
     try:
         _convert_tensors(tensors, paths, writer, progress, job.get("identities"))

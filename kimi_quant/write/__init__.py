@@ -2,6 +2,7 @@
 
 from .atomic import write_atomic, write_json_atomic
 from .safetensors_writer import ShardWriter
-from .shard_parts import PartWriter, ShardAssembly, finish_shard, tensor_offsets
+from .shard_parts import PartWriter, ShardAssembly, finish_shard, on_local_file_system, tensor_offsets
 
-__all__ = ["PartWriter", "ShardAssembly", "ShardWriter", "finish_shard", "tensor_offsets", "write_atomic", "write_json_atomic"]
+__all__ = ["PartWriter", "ShardAssembly", "ShardWriter", "finish_shard", "on_local_file_system", "tensor_offsets",
+           "write_atomic", "write_json_atomic"]

@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import re
 import secrets
 import threading
 from concurrent.futures import Future
@@ -40,6 +41,33 @@ HASH_CHUNK = 16 * 1024 * 1024
 HOLD_BYTES = 32 * 1024 * 1024
 #: flock's errors where the file system has no such lock: the writer goes on without turns
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+#: file systems whose ``flock`` stays on the node. Over NFS, CIFS, Lustre, ... it is a network lock,
+#: and a lock server that does not answer would stall every writer: writers there take no turns.
+LOCAL_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs",
+                                "bcachefs", "overlay"})
+
+
+def on_local_file_system(path: str | Path, mountinfo: str | None = None) -> bool:
+    """Whether ``path`` lies on one of ``LOCAL_FILE_SYSTEMS``: the type of the last mount on the
+    longest mount point above it in ``mountinfo`` (default: /proc/self/mountinfo); False if unknown."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+        except OSError:
+            return False
+    target = os.path.realpath(path)
+    best, fstype = "", None
+    for line in mountinfo.splitlines():
+        fields, _, rest = line.partition(" - ")
+        fields = fields.split()
+        if len(fields) < 5 or not rest.split():
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # \040 is a space
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, rest.split()[0]
+    return fstype in LOCAL_FILE_SYSTEMS
 
 
 def tensor_offsets(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
@@ -194,8 +222,8 @@ class PartWriter:
     on that lock while its holder copies: two workers writing one tmpfs file burned 1.26 core-s
     where two files took 0.81 (same bytes). ``flock`` sleeps instead, so the driver's hash thread
     gets the core; and a writer whose turn has not come keeps what ``write`` gave it (up to
-    ``HOLD_BYTES``) and goes on converting, to write it at its next turn. Not across nodes: over NFS
-    a ``flock`` is a network lock."""
+    ``HOLD_BYTES``) and goes on converting, to write it at its next turn. Only where ``flock`` is
+    local (``on_local_file_system``), and never across nodes."""
 
     def __init__(self, tmp: str | Path, offsets: dict[str, int], entries: dict[str, tuple[str, tuple[int, ...]]],
                  shard: str, whole: bool = False, take_turns: bool = False):
