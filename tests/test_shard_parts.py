@@ -6,9 +6,12 @@ back, hashing as it goes (how every shard was written before shards were split i
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import threading
 import random
 from pathlib import Path
 
@@ -171,10 +174,6 @@ def test_local_part_writers_take_turns_on_the_file(tmp_path, monkeypatch):
     file, a writer keeps what ``write`` gave it (up to HOLD_BYTES) instead of waiting, and writes it
     at its next turn; ``close`` waits for that turn; after an error what it holds is dropped; where
     the file system has no such lock it writes without turns."""
-    import errno
-    import fcntl
-    import threading
-
     import kimi_quant.write.shard_parts as shard_parts
 
     data, _ = _reference(tmp_path, 3)
@@ -231,6 +230,32 @@ def test_local_part_writers_take_turns_on_the_file(tmp_path, monkeypatch):
     assert in_file("e")
     w.close()
     os.close(other)
+    asm.abort()
+
+
+def test_a_full_disk_while_writing_what_was_kept_is_one_clean_error(tmp_path, monkeypatch):
+    """Kept tensors written at the end of a part into a full disk: the disk-full error, the
+    descriptor closed all the same."""
+    import kimi_quant.write.shard_parts as shard_parts
+
+    data, _ = _reference(tmp_path, 4)
+    path = tmp_path / "f.safetensors"
+    asm = ShardAssembly(path, ENTRIES, hash_here=False)
+    w = PartWriter(asm.tmp, asm.offsets, {n: (d, s) for n, d, s in ENTRIES}, path.name, take_turns=True)
+    monkeypatch.setattr(shard_parts, "HOLD_BYTES", 1 << 30)
+    other = os.open(asm.tmp, os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    w.write("e", data["e"])  # kept: another writer has the file
+    fcntl.flock(other, fcntl.LOCK_UN)
+    os.close(other)
+
+    def full(fd, buf, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shard_parts, "_pwrite_all", full)
+    with pytest.raises(KimiQuantError, match="(?i)no space left on device"):
+        w.close()
+    assert w._fd is None
     asm.abort()
 
 
