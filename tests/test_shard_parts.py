@@ -11,8 +11,8 @@ import fcntl
 import hashlib
 import json
 import os
-import threading
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
