@@ -11,6 +11,7 @@ import gc
 import json
 import os
 import re
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -663,5 +664,16 @@ def _register_optional_commands() -> None:
 
 _register_optional_commands()
 
+
+def run() -> None:
+    """The program (``kimi-quant``, ``python -m kimi_quant.cli``): the CLI, then Ctrl-C ignored while the
+    interpreter tears down. The exit status is chosen by then; a Ctrl-C landing in the teardown (the
+    process pool's exit handler joins its threads) would kill a finished run by SIGINT, saying nothing."""
+    try:
+        main()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -7,6 +7,9 @@ checkpoint and reports, measured in the same run:
   * the rate of writing as many bytes as the output into a fresh file in the output folder (one thread): on
     a VM the host may back each freed page anew when it is written (free page reporting), and the output
     side of a conversion pays that too;
+  * the CPU cost of mapping the cached source into a process (``src_map_core_s_per_gb``): it depends on
+    the folios the page cache holds it in, moved a 950dt run by ~0.5-1 core-s here, and ``--recache``
+    resets it (drop the source's cache, read it back once);
   * peak RSS of the whole process tree (driver + workers, sampled every 20 ms) and of the largest process;
   * cores busy: CPU seconds of the whole process tree over the wall time (and the load average, since
     other work on the machine skews every number here);
@@ -14,7 +17,7 @@ checkpoint and reports, measured in the same run:
 Optionally (--llm-compressor) runs llm-compressor's model_free_ptq on the same checkpoint when installed.
 
     python scripts/bench_convert.py --work /tmp/kq-bench --out /dev/shm/kq-bench [--experts 16] [--double]
-        [--targets a3 950dt] [--max-shard-size 4GiB 128MiB] [--workers 1 2] [--warm-memory 16]
+        [--targets a3 950dt] [--max-shard-size 4GiB 128MiB] [--workers 1 2] [--warm-memory 16] [--recache]
 """
 
 from __future__ import annotations
@@ -107,6 +110,42 @@ def read_gbps(src: Path) -> tuple[float, int]:
     return total / (time.perf_counter() - t0) / 1e9, total
 
 
+def recache(src: Path) -> None:
+    """Drop the source's page cache and read it back in one sequential pass, so that the page cache
+    holds it in large read-ahead folios (as a first run from disk leaves it), whatever the files'
+    writer, earlier runs or memory pressure left there (see ``map_cost``)."""
+    buf = bytearray(16 << 20)
+    for f in sorted(src.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while os.readv(fd, [buf]):
+                pass
+        finally:
+            os.close(fd)
+
+
+def map_cost(src: Path) -> float:
+    """CPU seconds per GB to map every page of the cached source into a process and unmap it again:
+    what the workers' mmap reads pay besides the quantizing. It depends on how the page cache holds
+    the source, not on this tool: 2 MiB folios (read ahead with a large window) map with one entry,
+    single pages (read with readahead off, or split under memory pressure) with 512. On this VM it
+    ranged over 0.01-0.17 core-s per GB, moving a 950dt run by ~0.5-1 core-s."""
+    import mmap
+
+    import numpy as np
+
+    total, t0 = 0, time.process_time()
+    for f in sorted(src.glob("*.safetensors")):
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            pages = np.frombuffer(m, np.uint8)[::mmap.PAGESIZE]
+            int(pages.sum())  # one byte of every page
+            total += len(m)
+            del pages
+    return (time.process_time() - t0) / (total / 1e9)
+
+
 def write_gbps(folder: Path, nbytes: int) -> float:
     """Rate of writing ``nbytes`` into a new file in ``folder`` (then deleted), one thread, 16 MiB writes:
     what the output side of a conversion costs at least, beside quantizing."""
@@ -174,12 +213,15 @@ def synth(work: Path, experts: int) -> Path:
 
 
 def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str,
-          extra: list[str] = (), repeat: int = 1) -> list[dict]:
+          extra: list[str] = (), repeat: int = 1, fresh_cache: bool = False) -> list[dict]:
     """Convert ``src`` for each target into ``work`` (put it on tmpfs to measure compute, not the disk),
-    ``repeat`` times each: GB/s of the median run, and of the best."""
+    ``repeat`` times each: GB/s of the median run, and of the best. ``fresh_cache``: ``recache`` first."""
     rows = []
+    if fresh_cache:
+        recache(src)
     read_bw, nbytes = read_gbps(src)
     read_bw = max(read_bw, read_gbps(src)[0])  # best of two warm reads
+    src_map = map_cost(src)
     for target in targets:
         out = work / f"out-{src.name}-{target}"
         shutil.rmtree(out, ignore_errors=True)
@@ -202,7 +244,7 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
                      "options": " ".join(extra), "in_gb": nbytes / 1e9,
                      "runs": repeat, "seconds": round(median, 2), "gbps": round(gbps, 3),
                      "gbps_best": round(nbytes / best / 1e9, 3), "read_gbps": round(read_bw, 2),
-                     "ratio_to_read": round(gbps / read_bw, 3),
+                     "ratio_to_read": round(gbps / read_bw, 3), "src_map_core_s_per_gb": round(src_map, 3),
                      "out_gb": round(out_bytes / 1e9, 3), "write_gbps": round(write_bw, 2),
                      "cores_busy": round(runs[len(runs) // 2]["cores_busy"], 2),
                      # CPU seconds per GB of input: what a loaded machine distorts least
@@ -361,6 +403,9 @@ def main() -> None:
     ap.add_argument("--warm-memory", type=float, default=0, metavar="GIB",
                     help="first touch this many GiB of memory (twice), so a freshly booted VM's first-touch cost "
                          "(the host backing guest pages) is paid before anything is measured; e.g. 16")
+    ap.add_argument("--recache", action="store_true",
+                    help="drop the source's page cache and read it back once before measuring: the same page-cache "
+                         "state in every session (see src_map_core_s_per_gb in the rows)")
     args = ap.parse_args()
     if args.llmc_spec:
         return run_llmc(args.llmc_spec)
@@ -377,12 +422,14 @@ def main() -> None:
     rows = []
     for shard in args.max_shard_size:
         for workers in args.workers:
-            rows += bench(synth(work, args.experts), out, args.targets, workers, shard, repeat=args.repeat)
+            rows += bench(synth(work, args.experts), out, args.targets, workers, shard, repeat=args.repeat,
+                          fresh_cache=args.recache)
             if args.also_hash_inputs:
                 rows += bench(synth(work, args.experts), out, args.targets, workers, shard,
-                              ["--hash-inputs"], repeat=args.repeat)
+                              ["--hash-inputs"], repeat=args.repeat, fresh_cache=args.recache)
             if args.double:
-                rows += bench(synth(work, 2 * args.experts), out, args.targets, workers, shard, repeat=args.repeat)
+                rows += bench(synth(work, 2 * args.experts), out, args.targets, workers, shard, repeat=args.repeat,
+                              fresh_cache=args.recache)
     if args.llm_compressor:
         rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python, args.targets, rows,
                                      repeat=args.llm_compressor_repeat, path=args.llm_compressor_path)

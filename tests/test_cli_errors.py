@@ -96,6 +96,26 @@ def test_output_is_a_file(tiny_source, tmp_path):
     assert f.read_text() == "x"
 
 
+def test_the_program_ignores_ctrl_c_once_its_command_is_over(monkeypatch):
+    """A Ctrl-C in the interpreter's teardown (the pool's exit handler joining its threads) killed a
+    finished run by SIGINT, without a word (tests/test_resume.py::test_ctrl_c_during_start_up_is_one_line
+    caught it now and then): the program ignores SIGINT once the CLI has chosen its exit status."""
+    import signal
+    import sys
+
+    from kimi_quant import cli
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(sys, "argv", ["kimi-quant", "--version"])
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.run()
+        assert e.value.code in (0, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_ctrl_c_in_exec_code_exits_130(tmp_path):
     """A Ctrl-C that lands while Python runs code ``exec`` built from a string (here: a dataclass of the
     module `targets` imports) is one line and exit 130, as anywhere else: CPython flags such a

@@ -91,9 +91,40 @@ def _started() -> None:
     """Submitted once per worker by the launcher thread: the pool starts a process for each."""
 
 
+#: A worker sends its progress at most this often (seconds), and once more at the end of each job.
+PROGRESS_EVERY = 0.25
+
+
+class _Batched:
+    """A worker's progress, sent every ``PROGRESS_EVERY`` s instead of after every tensor: each put
+    wakes the queue's feeder thread, which takes the GIL from the converting thread (one put per
+    tensor cost a 950dt run ~0.1-0.25 core-s on 2 cores, measured against batched and none)."""
+
+    def __init__(self, put: Callable[[int], None]):
+        self.put, self.pending, self.last = put, 0, time.monotonic()
+
+    def __call__(self, n: int) -> None:
+        self.pending += n
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_EVERY:
+            self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        if self.pending:
+            self.put(self.pending)
+            self.pending = 0
+        self.last = time.monotonic() if now is None else now
+
+
 def _run_job(job: dict, paths: dict[str, str], out_dir: str) -> dict:
     q = _progress_queue
-    return run_job(job, paths, out_dir, progress=(q.put if q is not None else None))
+    if q is None:
+        return run_job(job, paths, out_dir)
+    progress = _Batched(q.put)
+    try:
+        return run_job(job, paths, out_dir, progress=progress)
+    finally:
+        progress.flush()
 
 
 class LocalExecutor:
