@@ -9,7 +9,7 @@ checkpoint and reports, measured in the same run:
     side of a conversion pays that too;
   * the CPU cost of mapping the cached source into a process (``src_map_core_s_per_gb``): it depends on
     the folios the page cache holds it in, moved a 950dt run by ~0.5-1 core-s here, and ``--recache``
-    resets it (drop the source's cache, read it back once);
+    resets it (drop the source's cache; the bench's first read brings it back);
   * peak RSS of the whole process tree (driver + workers, sampled every 20 ms) and of the largest process;
   * cores busy: CPU seconds of the whole process tree over the wall time (and the load average, since
     other work on the machine skews every number here);
@@ -110,18 +110,14 @@ def read_gbps(src: Path) -> tuple[float, int]:
     return total / (time.perf_counter() - t0) / 1e9, total
 
 
-def recache(src: Path) -> None:
-    """Drop the source's page cache and read it back in one sequential pass, so that the page cache
-    holds it in large read-ahead folios (as a first run from disk leaves it), whatever the files'
-    writer, earlier runs or memory pressure left there (see ``map_cost``)."""
-    buf = bytearray(16 << 20)
+def drop_cache(src: Path) -> None:
+    """Drop the source's page cache: the read that follows (``read_gbps``) brings it back in large
+    read-ahead folios (as a first run from disk leaves it), whatever the files' writer, earlier runs
+    or memory pressure left there (see ``map_cost``)."""
     for f in sorted(src.glob("*.safetensors")):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            while os.readv(fd, [buf]):
-                pass
         finally:
             os.close(fd)
 
@@ -215,12 +211,12 @@ def synth(work: Path, experts: int) -> Path:
 def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str,
           extra: list[str] = (), repeat: int = 1, fresh_cache: bool = False) -> list[dict]:
     """Convert ``src`` for each target into ``work`` (put it on tmpfs to measure compute, not the disk),
-    ``repeat`` times each: GB/s of the median run, and of the best. ``fresh_cache``: ``recache`` first."""
+    ``repeat`` times each: GB/s of the median run, and of the best. ``fresh_cache``: ``drop_cache`` first."""
     rows = []
     if fresh_cache:
-        recache(src)
+        drop_cache(src)
     read_bw, nbytes = read_gbps(src)
-    read_bw = max(read_bw, read_gbps(src)[0])  # best of two warm reads
+    read_bw = max(read_bw, read_gbps(src)[0])  # the second read is warm (the first may come from disk)
     src_map = map_cost(src)
     for target in targets:
         out = work / f"out-{src.name}-{target}"
@@ -404,8 +400,8 @@ def main() -> None:
                     help="first touch this many GiB of memory (twice), so a freshly booted VM's first-touch cost "
                          "(the host backing guest pages) is paid before anything is measured; e.g. 16")
     ap.add_argument("--recache", action="store_true",
-                    help="drop the source's page cache and read it back once before measuring: the same page-cache "
-                         "state in every session (see src_map_core_s_per_gb in the rows)")
+                    help="drop the source's page cache before measuring (the first read brings it back): the same "
+                         "page-cache state in every session (see src_map_core_s_per_gb in the rows)")
     args = ap.parse_args()
     if args.llmc_spec:
         return run_llmc(args.llmc_spec)
