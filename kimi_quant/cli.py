@@ -6,6 +6,7 @@ KIMI_QUANT_DEBUG=1) shows the traceback as well.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -111,6 +112,18 @@ class _Group(click.Group):
             traceback.print_exc()  # called from an except block: the exception being handled
         click.echo(f"kimi-quant: error: {message}", err=True)
         sys.exit(code)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """No garbage collection inside (as it was after)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _forget_caught_interrupt() -> None:
@@ -492,27 +505,31 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     tokens routed to them); the output format is the same. It runs layer by layer in this process
     (resumable per layer) and needs the source's tokenizer.
     """
-    from .targets import resolve_target
+    # No collections while the converter loads (numpy, the converter's modules, the fork server's start):
+    # what that makes lives to the end anyway, and collecting it as it came cost ~20 ms of the start-up,
+    # while one core works alone. gc.freeze() then keeps it out of every later collection.
+    with _collector_paused():
+        from .targets import resolve_target
 
-    resolve_target(target)
-    _staging_options_for(source, revision, work_dir, max_disk, keep_source)
-    if do_validate and not Path(source).expanduser().is_dir():
-        raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
-                             "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
-    if not calibrate and not do_validate:
-        # numpy's OpenBLAS starts a thread per core that spins for a while once numpy loads (~0.1 core-s a
-        # run, taken from the workers); nothing in a plain conversion multiplies matrices (workers: the same)
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    if executor == "local" and not calibrate and (workers or default_workers()) > 1 \
-            and (do_validate or not fork_workers_here()):
-        # workers that cannot be forked from this process (see executor.fork_server; --validate imports
-        # torch) come from a fork server: its start-up (python, numpy, the unit code, the kernels) runs
-        # while this process imports numpy and plans, and convert's executor finds the server running.
-        # A Ctrl-C meanwhile most likely lands in an import: see _forget_caught_interrupt
-        start_fork_server()
-    from .convert import ConvertOptions, convert as run_convert
+        resolve_target(target)
+        _staging_options_for(source, revision, work_dir, max_disk, keep_source)
+        if do_validate and not Path(source).expanduser().is_dir():
+            raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
+                                 "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
+        if not calibrate and not do_validate:
+            # numpy's OpenBLAS starts a thread per core that spins for a while once numpy loads (~0.1 core-s a
+            # run, taken from the workers); nothing in a plain conversion multiplies matrices (workers: the same)
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+        if executor == "local" and not calibrate and (workers or default_workers()) > 1 \
+                and (do_validate or not fork_workers_here()):
+            # workers that cannot be forked from this process (see executor.fork_server; --validate imports
+            # torch) come from a fork server: its start-up (python, numpy, the unit code, the kernels) runs
+            # while this process imports numpy and plans, and convert's executor finds the server running.
+            # A Ctrl-C meanwhile most likely lands in an import: see _forget_caught_interrupt
+            start_fork_server()
+        from .convert import ConvertOptions, convert as run_convert
 
-    gc.freeze()  # this process's modules live to its end: its full collections need not walk them
+        gc.freeze()  # this process's modules live to its end: its full collections need not walk them
     if do_validate:  # a model validation cannot run is refused before the conversion, not after it
         from .model.spec import load_model_spec
         from .validate.forward import check_supported

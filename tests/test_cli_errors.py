@@ -127,3 +127,25 @@ def test_ctrl_c_in_exec_code_exits_130(tmp_path):
     assert r.returncode == 130, r.stderr
     assert r.stderr.splitlines() == ["kimi-quant: interrupted"], r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("target", ["foo", "950dt"])
+def test_convert_pauses_the_collector_while_it_loads_only(tiny_source, tmp_path, monkeypatch, target):
+    """``convert`` turns garbage collection off while the converter loads (start-up time, with one
+    core working alone) and back on before converting, on success and on a refused target alike: an
+    in-process caller (a notebook, these tests) keeps its collector."""
+    import gc
+
+    from click.testing import CliRunner
+
+    from kimi_quant import cli, targets
+
+    seen = []
+    real = targets.resolve_target
+    monkeypatch.setattr(targets, "resolve_target", lambda t: (seen.append(gc.isenabled()), real(t))[1])
+    assert gc.isenabled()
+    r = CliRunner().invoke(cli.main, ["convert", str(tiny_source), "-t", target, "-o", str(tmp_path / "out"),
+                                      "-q", "--workers", "1"])
+    assert (r.exit_code == 0) == (target == "950dt"), r.output
+    assert seen[0] is False  # the first call: convert checks the target before anything else
+    assert gc.isenabled()
