@@ -418,14 +418,15 @@ def main() -> None:
     rows = []
     for shard in args.max_shard_size:
         for workers in args.workers:
-            rows += bench(synth(work, args.experts), out, args.targets, workers, shard, repeat=args.repeat,
-                          fresh_cache=args.recache)
+            def measure(experts: int, extra: list[str] = ()) -> list[dict]:
+                return bench(synth(work, experts), out, args.targets, workers, shard, extra, repeat=args.repeat,
+                             fresh_cache=args.recache)
+
+            rows += measure(args.experts)
             if args.also_hash_inputs:
-                rows += bench(synth(work, args.experts), out, args.targets, workers, shard,
-                              ["--hash-inputs"], repeat=args.repeat, fresh_cache=args.recache)
+                rows += measure(args.experts, ["--hash-inputs"])
             if args.double:
-                rows += bench(synth(work, 2 * args.experts), out, args.targets, workers, shard, repeat=args.repeat,
-                              fresh_cache=args.recache)
+                rows += measure(2 * args.experts)
     if args.llm_compressor:
         rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python, args.targets, rows,
                                      repeat=args.llm_compressor_repeat, path=args.llm_compressor_path)
