@@ -489,3 +489,44 @@ def test_workers_fork_from_the_driver_when_it_has_one_thread(tiny_source, tmp_pa
         assert server == "None" and children == "2", r.stdout  # the two workers, nothing else
     elif (os.cpu_count() or 1) > 1:  # numpy's BLAS pool has a thread per core beyond the first
         assert server != "None", r.stdout
+
+
+_HEAP_PROBE = """
+import os, resource, sys
+import numpy as np
+from kimi_quant.executor import local
+
+if sys.argv[1] == "worker":
+    local._init_worker(None, os.getpid())  # what every local worker runs first
+
+
+def tensors_written():  # a writer holding 48 MiB of outputs for its turn, then writing and dropping them
+    held = [np.ones(4 << 20, np.uint8) for _ in range(12)]
+    del held
+
+
+tensors_written(); tensors_written()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    tensors_written()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_workers_reuse_freed_output_buffers_without_page_faults():
+    """glibc hands a freed heap top back to the kernel once more than twice its last mmap'd block is free
+    there, so a worker that drops what its writer held faulted (and had zeroed) every page again, tensor
+    after tensor. A local worker keeps up to ``KEEP_FREED`` for its next tensors: no fault once warm."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    faults = {}
+    for kind in ("worker", "default"):
+        r = subprocess.run([sys.executable, "-c", _HEAP_PROBE, kind], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        faults[kind] = int(r.stdout)
+    assert faults["worker"] < 12, faults  # 12 blocks a round: not even one fault each
+    assert faults["default"] >= 5 * 12, faults  # what it fixes: every block faulted in again, every round
