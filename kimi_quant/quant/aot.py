@@ -22,6 +22,7 @@ what the signature was compiled for and raises TypeError for anything else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -72,7 +73,10 @@ def _package_version(name: str) -> bytes:
         return b"-"
 
 
+@functools.cache
 def key() -> str:
+    """Names the compiled module of this process's kernels: their sources, numba and llvmlite, the
+    Python ABI and the CPU. Computed once per process (its code was read at import), not per call."""
     h = hashlib.blake2b(digest_size=10)
     for name in _SOURCES:
         h.update((_HERE / name).read_bytes())
