@@ -367,3 +367,37 @@ def test_many_shards_run_whole_and_only_the_tail_is_split(src, tmp_path, monkeyp
     out1 = tmp_path / "one-worker"
     convert(str(src), ConvertOptions(target="a3", output=out1, workers=1, quiet=True, max_shard_size=1_000_000))
     assert shards(out1) == ref and all(kinds)  # one worker never splits: no cost over the streaming writer
+
+
+def _vm_flags_of(m) -> list[str]:
+    """The VmFlags of the mapping holding mmap ``m`` (/proc/self/smaps)."""
+    view = np.frombuffer(m, np.uint8)
+    addr = view.ctypes.data
+    del view  # a live view would keep the mapping from closing
+    flags, inside = None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+    return flags
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux /proc")
+def test_files_read_once_are_mapped_sequential(src, tmp_path):
+    """Source shards and the output read back for its sha256 are mapped MADV_SEQUENTIAL ("sr" in
+    VmFlags): besides read-ahead, the kernel then keeps no recency for their pages, and unmapping
+    them no longer marks each page accessed under the LRU lock (~1.5% of a 950dt run's CPU)."""
+    from kimi_quant.mapped import map_read_once
+    from kimi_quant.source.safetensors import SafetensorsReader
+
+    path = tmp_path / "bytes"
+    path.write_bytes(bytes(range(256)) * 64)
+    with open(path, "rb") as f, map_read_once(f.fileno()) as m:
+        assert m[:3] == b"\x00\x01\x02" and len(m) == 256 * 64
+        assert "sr" in _vm_flags_of(m)
+    shard = sorted(Path(src).glob("*.safetensors"))[0]
+    with SafetensorsReader(shard) as r:
+        assert "sr" in _vm_flags_of(r._mmap)

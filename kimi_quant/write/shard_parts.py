@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import mmap
 import os
 import re
 import secrets
@@ -33,6 +32,7 @@ import numpy as np
 
 from ..dtypes import nbytes
 from ..errors import KimiQuantError
+from ..mapped import map_read_once
 from .atomic import disk_full, fsync_dir
 from .safetensors_writer import encode_header
 
@@ -135,7 +135,7 @@ class ShardAssembly:
                     return
                 # mapped anew for each range (no copy): on NFS an open revalidates this node's cache, so bytes
                 # another node wrote (and closed, see PartWriter.close) are read, never a stale page read ahead
-                with open(self.tmp, "rb") as f, mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_READ) as m:
+                with open(self.tmp, "rb") as f, map_read_once(f.fileno(), self.size) as m:
                     view = memoryview(m)
                     try:
                         while at < end and not self._aborted:
