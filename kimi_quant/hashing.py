@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from .mapped import map_read_once
 from .untrusted import check_identity
 
 CHUNK = 16 * 1024 * 1024
@@ -37,7 +36,7 @@ def sha256_fd(fd: int, progress: Callable[[int], None] | None = None) -> str:
     size = os.fstat(fd).st_size
     if size == 0:
         return h.hexdigest()
-    with map_read_once(fd) as m:
+    with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as m:
         view = memoryview(m)
         try:
             for start in range(0, size, CHUNK):

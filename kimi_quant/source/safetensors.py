@@ -17,7 +17,6 @@ import numpy as np
 
 from ..dtypes import STORAGE, nbytes
 from ..errors import BadCheckpoint
-from ..mapped import map_read_once
 from ..untrusted import DuplicateKey, check_identity, unique_pairs
 
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
@@ -133,7 +132,7 @@ class SafetensorsReader:
             self._file.close()
             raise
         size = os.fstat(self._file.fileno()).st_size
-        self._mmap = map_read_once(self._file.fileno()) if size else None
+        self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
 
     def __enter__(self) -> "SafetensorsReader":
         return self

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import mmap
 import os
 import re
 import secrets
@@ -32,7 +33,6 @@ import numpy as np
 
 from ..dtypes import nbytes
 from ..errors import KimiQuantError
-from ..mapped import map_read_once
 from .atomic import disk_full, fsync_dir
 from .safetensors_writer import encode_header
 
@@ -135,7 +135,7 @@ class ShardAssembly:
                     return
                 # mapped anew for each range (no copy): on NFS an open revalidates this node's cache, so bytes
                 # another node wrote (and closed, see PartWriter.close) are read, never a stale page read ahead
-                with open(self.tmp, "rb") as f, map_read_once(f.fileno(), self.size) as m:
+                with open(self.tmp, "rb") as f, _map_read_once(f.fileno(), self.size) as m:
                     view = memoryview(m)
                     try:
                         while at < end and not self._aborted:
@@ -177,6 +177,22 @@ class ShardAssembly:
             self._thread.join()
         if not self.done.done():
             self._discard()
+
+
+def _map_read_once(fd: int, length: int) -> mmap.mmap:
+    """A read-only mapping of the shard just written, advised ``MADV_SEQUENTIAL``: the kernel then keeps
+    no recency for its pages, and unmapping them no longer marks each page accessed under the LRU lock,
+    batch by batch (perf, 950dt bench run: munmap 3.2% -> 1.5% of all samples). Only here: the bytes
+    were just written, so they are in the page cache and read-ahead does not matter. On the source,
+    faults would read ahead in small folios (a run from a cold cache took twice as long), and
+    ``POSIX_FADV_NOREUSE``, which leaves read-ahead alone, is ignored on tmpfs."""
+    m = mmap.mmap(fd, length, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_SEQUENTIAL"):
+        try:
+            m.madvise(mmap.MADV_SEQUENTIAL)
+        except OSError:
+            pass
+    return m
 
 
 def finish_shard(tmp: str | Path, path: str | Path, size: int) -> str:
