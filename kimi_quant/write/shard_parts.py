@@ -182,7 +182,7 @@ class ShardAssembly:
 def _map_read_once(fd: int, length: int) -> mmap.mmap:
     """A read-only mapping of the shard just written, advised ``MADV_SEQUENTIAL``: the kernel then keeps
     no recency for its pages, and unmapping them no longer marks each page accessed under the LRU lock,
-    batch by batch (perf, 950dt bench run: munmap 3.2% -> 1.5% of all samples). Only here: the bytes
+    batch by batch (perf, 950dt bench run: munmap 3.2% -> 1.2% of all samples). Only here: the bytes
     were just written, so they are in the page cache and read-ahead does not matter. On the source,
     faults would read ahead in small folios (a run from a cold cache took twice as long), and
     ``POSIX_FADV_NOREUSE``, which leaves read-ahead alone, is ignored on tmpfs."""
