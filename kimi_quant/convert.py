@@ -327,9 +327,10 @@ def _finish(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: C
     prov = provenance(plan, inputs, dict(sorted(units.items())))
     prov.update(extra_provenance or {})
     _carry_validation(out_dir, prov)
-    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, CARD, *map(output_name, files_to_copy(source))]
+    copied = files_to_copy(source)  # listed once: the journal names exactly what is written
+    around = [INDEX, DESCRIPTION, "config.json", PROVENANCE, CARD, *map(output_name, copied)]
     journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
-    write_metadata_files(out_dir, plan, source, prov)
+    write_metadata_files(out_dir, plan, source, prov, copied)
     journal.mark_complete([n for n in around if n not in (PROVENANCE, CARD)])  # validate rewrites these
 
 
