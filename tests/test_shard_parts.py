@@ -389,7 +389,7 @@ def _vm_flags_of(m) -> list[str]:
 def test_the_hash_maps_the_shard_sequential_and_the_source_keeps_its_read_ahead(src, tmp_path):
     """The driver's hash thread maps the shard it just wrote MADV_SEQUENTIAL ("sr" in VmFlags): the kernel
     keeps no recency for those pages, and unmapping them no longer marks each one accessed under the LRU
-    lock (~1.5% of a 950dt run's CPU). The source is mapped plainly: advised sequential, its faults read
+    lock (~2% of a 950dt run's CPU). The source is mapped plainly: advised sequential, its faults read
     ahead in small folios and a conversion from a cold page cache took twice as long."""
     from kimi_quant.source.safetensors import SafetensorsReader
     from kimi_quant.write.shard_parts import _map_read_once

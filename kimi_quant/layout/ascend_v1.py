@@ -52,14 +52,12 @@ def output_name(name: str) -> str:
     return "SOURCE_README.md" if name == "README.md" else name
 
 
-def write_metadata_files(out_dir: Path, plan: Plan, source: Source, provenance: dict,
-                         copied: list[str] | None = None) -> None:
+def write_metadata_files(out_dir: Path, plan: Plan, source: Source, provenance: dict, copied: list[str]) -> None:
     """Everything but the weight shards, in an order that keeps a partial output unloadable.
-    ``copied``: the source files to copy, as ``files_to_copy`` listed them for the journal (listed
-    here when not given)."""
+    ``copied``: the source files to copy, as ``files_to_copy`` listed them for the journal."""
     from .model_card import CARD, model_card
 
-    for name in files_to_copy(source) if copied is None else copied:
+    for name in copied:
         dest = out_dir / output_name(name)
         dest.parent.mkdir(parents=True, exist_ok=True)
         if not inside(dest.parent, out_dir):  # a folder of the output replaced by a link out of it
