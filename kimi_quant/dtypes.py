@@ -81,16 +81,13 @@ def nonfinite(arr: np.ndarray, dtype: str) -> bool:
         return False
     flat = np.ravel(arr)
     n = min(flat.size, _SCAN_BLOCK)
-    hit = np.empty(n, np.bool_)
-    masked = np.empty(n, flat.dtype) if bits is not None else None
+    scratch = np.empty(n, np.bool_ if bits is None else flat.dtype)
     for i in range(0, flat.size, _SCAN_BLOCK):
         block = flat[i:i + _SCAN_BLOCK]
-        h = hit[:block.size]
-        if masked is None:
-            bad = not np.isfinite(block, out=h).all()
-        else:
-            m = np.bitwise_and(block, bits, out=masked[:block.size])
-            bad = np.equal(m, bits, out=h).any()
+        if bits is None:
+            bad = not np.isfinite(block, out=scratch[:block.size]).all()
+        else:  # x & bits == bits for some x <=> max(x & bits) == bits: one SIMD reduction, no bool pass
+            bad = np.bitwise_and(block, bits, out=scratch[:block.size]).max() == bits
         if bad:
             return True
     return False
