@@ -53,6 +53,11 @@ SIZE_UNITS = "KB/MB/GB = 10^3/10^6/10^9 bytes, KiB/MiB/GiB = 2^10/2^20/2^30"
 MIN_SHARD_SIZE = 64 * 1024
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 shard``, ``2 shards``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _gb(n: int | float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
@@ -409,8 +414,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
     lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
              + f" -> {p.target} (recipe {p.recipe['name']}"
              + (f", int4 per group of {p.group_size}" if any(t.group_size for t in p.tensors()) else "")
-             + f"): {job['units']} output shard"
-             + ("s" if job["units"] != 1 else "") + f" (max {_gb(p.max_shard_size)})",
+             + f"): {_count(job['units'], 'output shard')} (max {_gb(p.max_shard_size)})",
              f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
              f"{_gb(job['in_bytes'])} BF16 input)"]
     if job["disk_staging_bytes"] is None:
@@ -441,7 +445,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
         lines.append(f"memory   ~{_gb(job['memory_peak_bytes'])} for the driver; each Ray worker "
                      f"~{_gb(job['memory_per_worker_bytes'])} on top of Ray's own")
     if "wall_seconds" in job:
-        who = (f"{job['parallel']} local worker" + ("s" if job["parallel"] > 1 else "") if job["executor"] == "local"
+        who = (_count(job['parallel'], 'local worker') if job["executor"] == "local"
                else f"{job['parallel']} Ray workers, each as fast as one core here")
         lines.append(f"time     ~{_duration(job['wall_seconds'])} on {who} ({_duration(job['core_seconds'])} of "
                      f"one core at this machine's codec rates, ~{job['rate_gbps']:.2f} GB/s)")
@@ -554,12 +558,12 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
             startup = (f" ({res.startup_seconds:.1f} s of it loading the kernels"
                        + (", compiled on this first run" if res.startup_seconds > 5 else "") + ")"
                        if res.startup_seconds and res.startup_seconds >= 1 else "")
-            click.echo(f"done in {res.seconds:.1f} s{startup}: {res.converted_units} shards written"
+            click.echo(f"done in {res.seconds:.1f} s{startup}: {_count(res.converted_units, 'shard')} written"
                        + (f", {res.reused_units} verified and kept" if res.reused_units else "")
                        + f"; {_gb(res.in_bytes_done)} in at {_rate(res.in_bytes_done, res.work_seconds)}")
         else:
-            click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {res.reused_units} shards verified and kept")
-        click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {len(p.units)} shards; tensors: {counts}")
+            click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {_count(res.reused_units, 'shard')} verified and kept")
+        click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {_count(len(p.units), 'shard')}; tensors: {counts}")
         if res.calibration is not None:
             from .calibrate.config import describe
 
@@ -604,7 +608,7 @@ def verify(output, no_rehash):
     from .validate.gate import failed_validation
 
     r = verify_output(output, rehash=not no_rehash, quiet=False)
-    click.echo(f"ok: {r['shards']} shards, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
+    click.echo(f"ok: {_count(r['shards'], 'shard')}, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
     click.echo(f"    {r['model_quant_type_meaning']}")
     v = r.get("validation")
     failed = failed_validation(v)

@@ -292,6 +292,8 @@ def test_small_convert_rate_and_last_frame(tiny_source, tmp_path):
     assert r.returncode == 0, r.stderr
     done = [ln for ln in r.stdout.splitlines() if ln.startswith("done in")][0]
     assert "0.00 GB/s" not in done and re.search(r"in at \d+\.\d+ (MB|kB|GB)/s$", done), done
+    n, noun = re.search(r": (\d+) (shards?) written", done).groups()
+    assert noun == ("shard" if n == "1" else "shards"), done  # "1 shard written", never "1 shards"
     frames = _frames(r.stderr)
     assert frames[-1].startswith("convert a3: 100%"), frames  # a log's last frame is the end
     assert any("kernels" in f for f in frames[:3]), frames  # the wait before the first bytes is named

@@ -64,10 +64,10 @@ def unit_lines(out: Path) -> int:
 
 
 def summary_counts(stdout: str) -> tuple[int, int]:
-    m = re.search(r"nothing to convert, (\d+) shards verified and kept", stdout)
+    m = re.search(r"nothing to convert, (\d+) shards? verified and kept", stdout)
     if m:
         return 0, int(m.group(1))
-    m = re.search(r"(\d+) shards written(?:, (\d+) verified and kept)?", stdout)
+    m = re.search(r"(\d+) shards? written(?:, (\d+) verified and kept)?", stdout)
     assert m, stdout
     return int(m.group(1)), int(m.group(2) or 0)
 
