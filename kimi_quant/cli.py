@@ -194,7 +194,8 @@ def _plan_options(f):
                      help="a3: per-group int4 for the routed experts (W4A8_DYNAMIC), one scale per G inputs: 32, 64, "
                           "128 or 256 (msModelSlim's sizes; every expert's K must be a multiple of G). Better "
                           "quality, larger output (+6% of the expert bytes at 256); the description's group_size "
-                          "becomes G. 0: one scale per output channel. [default: the recipe's group_size, else 0]"),
+                          "becomes G. vLLM-Ascend 0.23.x loads it; from 0.27.1rc1 on it refuses per-group "
+                          "weights. 0: one scale per output channel. [default: the recipe's group_size, else 0]"),
     ]):
         f = deco(f)
     return f
@@ -409,7 +410,7 @@ def _calibrate_lines(e: dict, cal, workers: int) -> list[str]:
 
 def plan_summary(p, job: dict, work_dir=None) -> list[str]:
     """The sizing lines ``plan`` prints first: what is converted, output, disk, memory, time, model_quant_type."""
-    from .plan import model_quant_type_meaning
+    from .plan import PER_GROUP_LOADERS, model_quant_type_meaning
 
     lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
              + f" -> {p.target} (recipe {p.recipe['name']}"
@@ -465,6 +466,8 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
         lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled kernels are "
                      f"not used ({kernels['why']}); delete {kernels['retry']} to build them again")
     lines.append("quant    " + model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())))
+    if any(t.group_size for t in p.tensors()):
+        lines.append(f"loaders  {PER_GROUP_LOADERS}: --group-size 0 writes what both load")
     return lines
 
 

@@ -26,7 +26,7 @@ from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDA
                                provenance, write_metadata_files)
 from .layout.model_card import CARD
 from .model.spec import load_model_spec_from_source
-from .plan import DEFAULT_MAX_SHARD_SIZE, Plan, make_plan
+from .plan import DEFAULT_MAX_SHARD_SIZE, PER_GROUP_LOADERS, Plan, make_plan
 from .recipe import load_recipe
 from .source import Source, open_source
 from .targets import resolve_target
@@ -202,10 +202,12 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
 
             plan, windows = calibrated_plan(source, plan, opts.calibrate, quiet=opts.quiet)
             journal = prepare_output(out_dir, plan, opts.overwrite, will_write, plan_options(plan, opts))
+            _warn_loaders(plan)
             result = run_calibrated(source, plan, windows, out_dir, journal, opts, t0)
             ok = True
             return result
         journal = prepare_output(out_dir, plan, opts.overwrite, will_write, plan_options(plan, opts))
+        _warn_loaders(plan)
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)
         ok = True
@@ -225,6 +227,14 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
             lock.release(keep_file=lock.found and not ok)
             if made_dir and not ok and not any(out_dir.iterdir()):
                 out_dir.rmdir()  # refused before writing anything: leave no trace
+
+
+def _warn_loaders(plan: Plan) -> None:
+    """Per-group int4 loads only in some vLLM-Ascend releases: said once the run is accepted (a refused
+    run says one line) and before the work."""
+    if plan.group_size:
+        log.warning("kimi-quant: warning: --group-size %d: %s; --group-size 0 writes what both load",
+                    plan.group_size, PER_GROUP_LOADERS)
 
 
 def _check_window(max_disk: int | None, todo: list, entries: dict) -> None:

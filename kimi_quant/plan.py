@@ -61,6 +61,13 @@ def moe_layer_types(types: dict[str, str]) -> dict[str, str]:
     return out
 
 
+#: Which vLLM-Ascend releases load per-group W4A8_DYNAMIC experts (the description's group_size > 0).
+#: Read in its code: 0.23.x (the stable line) does; from 0.27.1rc1 on AscendW4A8DynamicFusedMoEMethod
+#: raises "Per-Group quantization ... no longer supported" at init (per channel only).
+PER_GROUP_LOADERS = ("vLLM-Ascend 0.23.x loads per-group int4 experts; from 0.27.1rc1 on it refuses them "
+                     "(per channel only)")
+
+
 def loader_refusal(scheme: str, role, shape) -> str | None:
     """Why the consumers (vLLM-Ascend / SGLang ModelSlim loaders) could not load ``scheme`` here, or None.
 

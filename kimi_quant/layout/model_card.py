@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..plan import PER_GROUP_LOADERS
 from .ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 
 CARD = "README.md"
@@ -133,7 +134,8 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
     if "W4A8_DYNAMIC" in types:
         g = desc.get("group_size")
         lines.append("| Int4 scales | " + (f"per group of {g} inputs (`--group-size {g}`): weight_scale_second, "
-                                           "float16 values" if isinstance(g, int) and g > 0 else
+                                           f"float16 values. {PER_GROUP_LOADERS}"
+                                           if isinstance(g, int) and g > 0 else
                                            "per output channel (`--group-size` not given)") + " |")
     rules = recipe.get("rules") if isinstance(recipe, dict) else None
     if rules:
