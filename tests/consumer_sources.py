@@ -1,6 +1,6 @@
 """Fetch the real consumer code the conformance tests run: pinned files from PyPI, sha256-checked.
 
-    python tests/consumer_sources.py      # fetch and unpack both into the cache (what .ci/run does)
+    python tests/consumer_sources.py      # fetch and unpack them all into the cache (what .ci/run does)
 
 Nothing is built or installed: the vLLM-Ascend sdist's Python files are unpacked and imported from
 there (with its NPU-only dependencies stubbed, see ``vllm_ascend_stubs.py``), and msModelSlim's
@@ -31,6 +31,11 @@ class PinnedFile:
 
 VLLM_ASCEND = PinnedFile("vllm-ascend", "0.23.0.post1", "vllm_ascend-0.23.0.post1.tar.gz",
                          "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1")
+# the newest pre-release (2026-10-13): new module layout, per-channel-only W4A8_DYNAMIC experts
+VLLM_ASCEND_RC = PinnedFile("vllm-ascend", "0.30.0rc2", "vllm_ascend-0.30.0rc2.tar.gz",
+                            "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f")
+#: every vLLM-Ascend the conformance test runs against: the latest stable release first
+VLLM_ASCEND_PINS = (VLLM_ASCEND, VLLM_ASCEND_RC)
 MSMODELSLIM = PinnedFile("msmodelslim", "26.1.0", "msmodelslim-26.1.0-py3-none-any.whl",
                          "2fbcfe268f15c3ec8b58d0b3f1eb721cff9e29ab692acd5878b542895ed3304e")
 
@@ -78,18 +83,18 @@ def fetch(pin: PinnedFile) -> Path:
     return dest
 
 
-def vllm_ascend_source() -> Path:
-    """Directory holding the ``vllm_ascend`` package of the pinned sdist (its .py files only)."""
-    root = cache_dir() / f"vllm_ascend-{VLLM_ASCEND.version}"
+def vllm_ascend_source(pin: PinnedFile = VLLM_ASCEND) -> Path:
+    """Directory holding the ``vllm_ascend`` package of a pinned sdist (its .py files only)."""
+    root = cache_dir() / f"vllm_ascend-{pin.version}"
     marker = root / ".kimi-quant-unpacked"
-    if marker.exists():
+    if marker.exists() and marker.read_text() == pin.sha256:
         return root
-    archive = fetch(VLLM_ASCEND)
+    archive = fetch(pin)
     with tarfile.open(archive) as tar:
         members = [m for m in tar.getmembers()
                    if m.isfile() and m.name.endswith(".py") and "/vllm_ascend/" in f"/{m.name}"]
         tar.extractall(cache_dir(), members=members, filter="data")  # "data": no links, no paths outside
-    marker.write_text(VLLM_ASCEND.sha256)
+    marker.write_text(pin.sha256)
     return root
 
 
@@ -104,5 +109,6 @@ def msmodelslim_file(inner: str) -> bytes:
 
 
 if __name__ == "__main__":
-    print(vllm_ascend_source())
+    for va in VLLM_ASCEND_PINS:
+        print(vllm_ascend_source(va))
     print(msmodelslim_wheel())

@@ -1,4 +1,7 @@
-"""Our outputs through vLLM-Ascend 0.23.0.post1's own quantization code, run on this CPU.
+"""Our outputs through vLLM-Ascend's own quantization code, run on this CPU.
+
+Against each pinned vLLM-Ascend (``consumer_sources.VLLM_ASCEND_PINS``: the latest stable release,
+0.23.0.post1, and the newest pre-release, 0.30.0rc2), one at a time in this process.
 
 For both targets, on the converted tiny fixture: every Linear and fused-MoE layer a K3-style vLLM
 model builds (KDA, MLA, dense MLP, shared experts, routed experts, latent-MoE projections, lm_head)
@@ -11,12 +14,17 @@ with BF16 and with our own codecs. Only what needs an NPU is stood in (``vllm_as
 Two K3 layer layouts are checked, as the serving code builds them: SGLang's ``kimi_k3.py``
 (``fused_qkvg_proj`` = q,k,v,g; b/f_a/f_b separate) and vLLM's K3 model (``in_proj_qkvgfab`` =
 q,k,v,g,f_a,b, as vLLM-Ascend's newer modelslim_config resolves it); MLA q_a+kv_a and gate+up fused.
+
+Where the pinned versions differ on our outputs (``EXPECT``), each is held to what its code does:
+0.30.0rc2 refuses per-group W4A8_DYNAMIC experts (``--group-size``), as vLLM-Ascend does since
+0.27.1rc1; the a3-group32 output is checked to be refused there, not loaded.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -41,18 +49,32 @@ LAYOUTS = {
 # relative error of the loader-dequantized weight vs BF16 (Frobenius), per type: loose bounds that
 # a wrong nibble order, scale layout or expert slice would blow through by far
 BOUND = {"W8A8_DYNAMIC": 0.02, "W8A8_MXFP8": 0.06, "W4A8_DYNAMIC": 0.25, "W4A8_MXFP": 0.25}
+# where the pinned versions' loaders differ on our outputs (read from their code; each checked below):
+# per_group_w4a8_moe: W4A8_DYNAMIC experts with "group_size" > 0 load (0.27.1rc1 on: the scheme's
+#   constructor raises ValueError, per-channel only);
+# experts_key_required: the experts' type is looked up under the layer-level "<moe>.experts.weight" key
+#   (0.30: for kimi_k3 under the per-expert "<moe>.experts.0.w1/w2/w3.weight" keys);
+# w4a8_dynamic_linear: a W4A8_DYNAMIC Linear scheme exists (per-group only; removed by 0.30).
+EXPECT = {
+    "0.23.0.post1": {"per_group_w4a8_moe": True, "experts_key_required": True, "w4a8_dynamic_linear": True},
+    "0.30.0rc2": {"per_group_w4a8_moe": False, "experts_key_required": False, "w4a8_dynamic_linear": False},
+}
 
 
-@pytest.fixture(scope="module")
-def va():
+@pytest.fixture(scope="module", params=cs.VLLM_ASCEND_PINS, ids=lambda pin: pin.version)
+def va(request):
+    """The pinned vLLM-Ascend's quantization classes, with the stubs it runs on (``va.stubs``)."""
+    pin = request.param
     try:
-        src = cs.vllm_ascend_source()
+        src = cs.vllm_ascend_source(pin)
     except cs.Unavailable as e:
         pytest.skip(str(e))
     import vllm_ascend_stubs as stubs
 
-    stubs.import_vllm_ascend(src)
-    yield stubs
+    consumer = stubs.import_vllm_ascend(src)
+    # vLLM's K3 model class, whose packed modules 0.30's modelslim_config reads for model_type kimi_k3
+    stubs.KimiLinearModel.packed_modules_mapping = {k: list(v) for k, v in LAYOUTS["vllm_k3"].items()}
+    yield SimpleNamespace(**vars(consumer), stubs=stubs, version=pin.version, expect=EXPECT[pin.version])
     stubs.remove_vllm_ascend()  # the stubs (a spec-less torch_npu, a patched torch) stay in this module's tests
 
 
@@ -63,13 +85,23 @@ def tiny(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module", params=["a3", "950dt", "a3-group32"])
-def converted(request, tiny, tmp_path_factory):
+@pytest.fixture(scope="module")
+def _conversions() -> dict:
+    return {}  # param -> (target, output): each target converted once, for all versions
+
+
+# function-scoped params over a module-scoped cache: pytest then groups the tests by ``va`` alone, so
+# each vLLM-Ascend version is imported once
+@pytest.fixture(params=["a3", "950dt", "a3-group32"])
+def converted(request, tiny, tmp_path_factory, _conversions):
     """(target, output); "a3-group32": ``--group-size 32`` (the tiny experts have K = 64: two groups)."""
-    target, _, group = request.param.partition("-group")
-    out = tmp_path_factory.mktemp(f"out-{request.param}")
-    convert(str(tiny), ConvertOptions(target=target, output=out, workers=1, quiet=True, group_size=int(group or 0)))
-    return target, out
+    if request.param not in _conversions:
+        target, _, group = request.param.partition("-group")
+        out = tmp_path_factory.mktemp(f"out-{request.param}")
+        convert(str(tiny), ConvertOptions(target=target, output=out, workers=1, quiet=True,
+                                          group_size=int(group or 0)))
+        _conversions[request.param] = target, out
+    return _conversions[request.param]
 
 
 def _read_all(d: Path, index: str) -> dict[str, torch.Tensor]:
@@ -129,22 +161,27 @@ def model_layers(spec, layout: str) -> list[tuple[str, str, list[str]]]:
 
 
 def _config(va, desc: dict, layout: str):
-    from vllm_ascend.quantization.modelslim_config import AscendModelSlimConfig
-
-    cfg = AscendModelSlimConfig(json.loads(json.dumps(desc)))
+    cfg = va.AscendModelSlimConfig(json.loads(json.dumps(desc)))
     cfg.packed_modules_mapping = {k: list(v) for k, v in LAYOUTS[layout].items()}  # from the model class
-    va.set_current_vllm_config(cfg, "kimi_k3")
+    va.stubs.set_current_vllm_config(cfg, "kimi_k3")
     return cfg
 
 
-def _layer(va, kind: str, prefix: str):
-    from types import SimpleNamespace
-
+def _layer(va, kind: str, prefix: str, activation: str = "situ"):
+    """The layer as a K3 vLLM model builds it (routed experts: ``activation=`` the config's hidden_act)."""
     if kind == "moe":
-        return va.FusedMoE(prefix, moe_config=SimpleNamespace(num_logical_experts=None))
+        return va.stubs.FusedMoE(prefix, moe_config=SimpleNamespace(num_logical_experts=None), activation=activation)
     if kind == "lm_head":
-        return va.ParallelLMHead()
-    return (va.RowParallelLinear if kind == "row" else va.MergedColumnParallelLinear)(prefix)
+        return va.stubs.ParallelLMHead()
+    return (va.stubs.RowParallelLinear if kind == "row" else va.stubs.MergedColumnParallelLinear)(prefix)
+
+
+def _create_linear(method, layer, K: int, sizes: list[int]) -> None:
+    """create_weights as vLLM's tp=1 Linear layers call it (their constructors also set these sizes)."""
+    layer.input_size = layer.input_size_per_partition = K
+    layer.output_size, layer.output_partition_sizes = sum(sizes), list(sizes)
+    method.create_weights(layer, input_size_per_partition=K, output_partition_sizes=sizes, input_size=K,
+                          output_size=sum(sizes), params_dtype=torch.bfloat16, weight_loader=None)
 
 
 def _load_linear(layer, parts: list[str], ckpt: dict[str, torch.Tensor]) -> None:
@@ -270,21 +307,29 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
     desc = json.loads((out / "quant_model_description.json").read_text())
     ckpt = _read_all(out, "quant_model_weights.safetensors.index.json")
     src = _read_all(tiny, "model.safetensors.index.json")
-    spec = spec_from_config(json.loads((tiny / "config.json").read_text()))
+    config = json.loads((tiny / "config.json").read_text())
+    spec = spec_from_config(config)
+    hidden_act = config["text_config"]["hidden_act"]  # K3: "situ" (0.30's W4A8_MXFP experts take another path)
     cfg = _config(va, desc, layout)
-    from vllm_ascend.quantization.method_adapters import AscendFusedMoEMethod, AscendLinearMethod
 
     seen: dict[str, int] = {}
     worst: dict[str, float] = {}
+    refused: list[str] = []
     for kind, prefix, parts in model_layers(spec, layout):
-        layer = _layer(va, kind, prefix)
-        method = cfg.get_quant_method(layer, prefix)
+        layer = _layer(va, kind, prefix, hidden_act)
         types = {desc[f"{p}.weight"] for p in parts} if kind != "moe" else {desc[f"{prefix}.weight"]}
         assert len(types) == 1, f"{prefix}: parts of one fused module have types {types}"
         qtype = types.pop()
         seen[qtype] = seen.get(qtype, 0) + 1
+        if qtype == "W4A8_DYNAMIC" and desc["group_size"] > 0 and not va.expect["per_group_w4a8_moe"]:
+            # this loader takes per-channel int4 experts only: its scheme's constructor refuses ours
+            with pytest.raises(ValueError, match="Per.Group quantization, which is no longer supported"):
+                cfg.get_quant_method(layer, prefix)
+            refused.append(prefix)
+            continue
+        method = cfg.get_quant_method(layer, prefix)
         if qtype == "FLOAT":  # selected as unquantized, and our tensors are the BF16 originals
-            assert not isinstance(method, (AscendLinearMethod, AscendFusedMoEMethod)), prefix
+            assert not isinstance(method, (va.AscendLinearMethod, va.AscendFusedMoEMethod)), prefix
             for p in parts:
                 assert torch.equal(ckpt[f"{p}.weight"], src[f"{p}.weight"]), p
             continue
@@ -313,8 +358,7 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
         else:
             K = ckpt[f"{parts[0]}.weight"].shape[1] * (2 if qtype == "W4A8_MXFP" else 1)
             sizes = [src[f"{p}.weight"].shape[0] for p in parts]
-            method.create_weights(layer, input_size_per_partition=K, output_partition_sizes=sizes, input_size=K,
-                                  output_size=sum(sizes), params_dtype=torch.bfloat16, weight_loader=None)
+            _create_linear(method, layer, K, sizes)
             _load_linear(layer, parts, ckpt)
             method.process_weights_after_loading(layer)
             w = linear_weight(qtype, layer)
@@ -326,14 +370,18 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
             worst[qtype] = max(worst.get(qtype, 0.0), _rel(w, ref))
     want = {"a3": {"W4A8_DYNAMIC", "W8A8_DYNAMIC", "FLOAT"}, "950dt": {"W4A8_MXFP", "W8A8_MXFP8", "FLOAT"}}[target]
     assert set(seen) == want, seen
+    per_group_refused = target == "a3" and desc["group_size"] > 0 and not va.expect["per_group_w4a8_moe"]
+    assert len(refused) == (seen["W4A8_DYNAMIC"] if per_group_refused else 0), refused
     for qtype, err in worst.items():
         assert err < BOUND[qtype], f"{qtype}: relative error {err:.3f} vs BF16 (bound {BOUND[qtype]})"
-    print(f"{target}/{layout}: layers per type {seen}; worst relative error vs BF16 "
-          + ", ".join(f"{k} {v:.4f}" for k, v in sorted(worst.items())))
+    print(f"{va.version} {target}/{layout}: layers per type {seen}; worst relative error vs BF16 "
+          + ", ".join(f"{k} {v:.4f}" for k, v in sorted(worst.items()))
+          + (f"; refused (per-group W4A8_DYNAMIC experts): {len(refused)}" if refused else ""))
 
 
 def test_what_used_to_fail_still_fails_in_the_real_loader(va, converted, tiny):
-    """The three load failures of issue 12, reproduced against the real code with our fixes undone."""
+    """The three load failures of issue 12, reproduced against the real code with our fixes undone
+    (where a version's loader no longer fails that way, what it does instead)."""
     target, out = converted
     desc = json.loads((out / "quant_model_description.json").read_text())
     spec = spec_from_config(json.loads((tiny / "config.json").read_text()))
@@ -342,28 +390,37 @@ def test_what_used_to_fail_still_fails_in_the_real_loader(va, converted, tiny):
     # 1. without the layer-level experts key the experts' type is not found
     broken = {k: v for k, v in desc.items() if k != f"{M}.experts.weight"}
     cfg = _config(va, broken, "sglang")
-    with pytest.raises(KeyError):
-        cfg.get_quant_method(_layer(va, "moe", f"{M}.experts"), f"{M}.experts")
+    if va.expect["experts_key_required"]:
+        with pytest.raises(KeyError):
+            cfg.get_quant_method(_layer(va, "moe", f"{M}.experts"), f"{M}.experts")
+    elif target == "a3" and desc["group_size"] > 0:  # found under the per-expert keys, then refused: per-group
+        with pytest.raises(ValueError, match="Per.Group quantization, which is no longer supported"):
+            cfg.get_quant_method(_layer(va, "moe", f"{M}.experts"), f"{M}.experts")
+    else:  # found under the per-expert keys (experts.0.w1/w2/w3)
+        method = cfg.get_quant_method(_layer(va, "moe", f"{M}.experts"), f"{M}.experts")
+        assert isinstance(method, va.AscendFusedMoEMethod), method
     # 2. mixed parts of a fused module are refused (here: KDA g_proj FLOAT beside W8A8 q/k/v)
     kda = next(i for i in range(spec.text.num_hidden_layers) if spec.text.is_kda(i))
     A = f"language_model.model.layers.{kda}.self_attn"
     cfg = _config(va, {**desc, f"{A}.g_proj.weight": "FLOAT"}, "sglang")
-    with pytest.raises(ValueError, match="not all shards"):
+    with pytest.raises(ValueError, match="(?i)not all shards"):
         cfg.get_quant_method(_layer(va, "linear", f"{A}.fused_qkvg_proj"), f"{A}.fused_qkvg_proj")
     if target == "a3" and desc["group_size"] == 0:  # 3. W4A8_DYNAMIC on a plain Linear: per-group only
         S = f"{M}.shared_experts.down_proj"
         cfg = _config(va, {**desc, f"{S}.weight": "W4A8_DYNAMIC"}, "sglang")
         layer = _layer(va, "row", S)
+        if not va.expect["w4a8_dynamic_linear"]:  # no such Linear scheme any more
+            with pytest.raises(NotImplementedError, match="quant_type=W4A8_DYNAMIC for layer_type=linear"):
+                cfg.get_quant_method(layer, S)
+            return
         method = cfg.get_quant_method(layer, S)
         with pytest.raises(ZeroDivisionError):
-            method.create_weights(layer, input_size_per_partition=128, output_partition_sizes=[128], input_size=128,
-                                  output_size=128, params_dtype=torch.bfloat16, weight_loader=None)
+            _create_linear(method, layer, 128, [128])
     elif target == "950dt":  # 3. W4A8_MXFP with K % 64 != 0: the scales cannot be paired
         S = f"{M}.shared_experts.down_proj"
         cfg = _config(va, desc, "sglang")
         layer = _layer(va, "row", S)
         method = cfg.get_quant_method(layer, S)
-        method.create_weights(layer, input_size_per_partition=32, output_partition_sizes=[64], input_size=32,
-                              output_size=64, params_dtype=torch.bfloat16, weight_loader=None)
+        _create_linear(method, layer, 32, [64])
         with pytest.raises(RuntimeError):
             method.process_weights_after_loading(layer)

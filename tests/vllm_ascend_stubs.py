@@ -10,6 +10,12 @@ the path and installs stand-ins for what is missing on a CPU machine:
   ``set_weight_attrs``, ``QuantizationConfig``, a settable current ``VllmConfig``, ...);
 * any other ``vllm.*`` name it merely imports (forward paths, distributed helpers) resolves to an
   inert placeholder class; calling into one from the code under test would fail loudly.
+
+Both module layouts load: 0.2x (``quantization/modelslim_config.py``, ``FusedMoE``) and 0.30
+(``quantization/configs/``, ``quantization/methods/<family>/``; its MoE layers are vLLM's
+``RoutedExperts``/``MoERunner``, here the same ``FusedMoE`` class, and for model_type kimi_k3 it reads
+the packed modules of vLLM's ``KimiLinearModel``, here a class the test sets them on). One version at
+a time: importing another ``src`` removes the one imported before.
 """
 
 from __future__ import annotations
@@ -75,7 +81,8 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Resolves ``vllm`` / ``torch_npu`` (and anything below) to stub modules when not installed
     (it is last on ``sys.meta_path``: an installed package is always found first)."""
 
-    roots = ("vllm", "torch_npu", "triton", "transformers")  # transformers: a type annotation only
+    # transformers: a type annotation only; compressed_tensors: imported by 0.30's sibling config module
+    roots = ("vllm", "torch_npu", "triton", "transformers", "compressed_tensors")
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.split(".")[0] in self.roots:
@@ -98,6 +105,8 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 # -- the vllm names the quantization path relies on, with the behaviour it relies on ----------------------
 class LinearBase(torch.nn.Module):
+    tp_rank, tp_size = 0, 1  # one device
+
     def __init__(self, prefix: str = ""):
         super().__init__()
         self.prefix = prefix
@@ -120,10 +129,22 @@ class RowParallelLinear(LinearBase):
 
 
 class FusedMoE(torch.nn.Module):
-    def __init__(self, prefix: str = "", moe_config=None):
+    """vLLM's fused-MoE layer (``RoutedExperts`` / ``MoERunner`` in the vLLM that 0.30 pairs with)."""
+
+    def __init__(self, prefix: str = "", moe_config=None, activation: str = "silu"):
         super().__init__()
         self.prefix = prefix
         self.moe_config = moe_config
+        self.activation = activation  # the model's hidden_act (K3: "situ"; 0.30 reads it after loading)
+
+    def weight_loader(self, *args, **kwargs):  # 0.30 wraps it; the test loads as the tp=1 loader does
+        raise AssertionError("the test loads MoE weights itself")
+
+
+class KimiLinearModel(torch.nn.Module):
+    """vLLM's K3 model class: 0.30 reads its ``packed_modules_mapping`` (set by the test)."""
+
+    packed_modules_mapping: dict[str, list[str]] = {}
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -195,9 +216,12 @@ def set_current_vllm_config(quant_config, model_type: str) -> None:
         quant_config=quant_config,
         model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type), enforce_eager=True,
                                      dtype=torch.bfloat16, use_mla=False),
-        parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=1),
+        parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=1, enable_eplb=False),
         compilation_config=SimpleNamespace(mode=0),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
         kv_transfer_config=None,
+        lora_config=None,
+        use_v2_model_runner=False,
         additional_config={},
     )
 
@@ -223,15 +247,22 @@ def _torch_npu() -> types.ModuleType:
 
 
 #: what ``import_vllm_ascend`` puts in place (``remove_vllm_ascend`` takes it all out again)
-_ROOTS = ("vllm", "vllm_ascend", "torch_npu", "triton")
+_ROOTS = ("vllm", "vllm_ascend", "torch_npu", "triton")  # and any stub module (compressed_tensors, ...)
 _MISSING = object()
 _SAVED: dict[str, object] = {}
 
 
-def import_vllm_ascend(src: Path, device_type: str = "A3"):
-    """Import the real ``vllm_ascend.quantization`` from ``src`` (the unpacked sdist) on this CPU."""
-    if "vllm_ascend.quantization.modelslim_config" in sys.modules:
-        return sys.modules["vllm_ascend.quantization.modelslim_config"]
+def import_vllm_ascend(src: Path, device_type: str = "A3") -> SimpleNamespace:
+    """Import the real ``vllm_ascend.quantization`` from ``src`` (the unpacked sdist) on this CPU.
+
+    Returns its ``AscendModelSlimConfig``, ``AscendLinearMethod`` and ``AscendFusedMoEMethod``. Another
+    ``src`` than the one imported replaces it (``remove_vllm_ascend`` first): one version at a time.
+    Both module layouts are handled: ``quantization/modelslim_config.py`` (up to 0.2x) and
+    ``quantization/configs/modelslim_config.py`` (0.30)."""
+    if _SAVED.get("src") == str(src):
+        return _SAVED["consumer"]
+    if "src" in _SAVED:
+        remove_vllm_ascend()
     sys.meta_path.append(_StubFinder())
     _torch_npu()
     _SAVED.update({"Tensor.npu": getattr(torch.Tensor, "npu", _MISSING), "torch.npu": getattr(torch, "npu", _MISSING),
@@ -249,7 +280,8 @@ def import_vllm_ascend(src: Path, device_type: str = "A3"):
             RowParallelLinear=RowParallelLinear, ColumnParallelLinear=ColumnParallelLinear,
             MergedColumnParallelLinear=MergedColumnParallelLinear, ReplicatedLinear=ReplicatedLinear)
     _module("vllm.model_executor.layers.fused_moe", FusedMoE=FusedMoE, FusedMoEMethodBase=FusedMoEMethodBase,
-            FusedMoeWeightScaleSupported=FusedMoeWeightScaleSupported)
+            FusedMoeWeightScaleSupported=FusedMoeWeightScaleSupported, RoutedExperts=FusedMoE, MoERunner=FusedMoE)
+    _module("vllm.models.kimi_k3.nvidia.model", KimiLinearModel=KimiLinearModel)  # 0.30: K3's packed modules
     _module("vllm.model_executor.layers.quantization", register_quantization_config=lambda name: (lambda c: c))
     _module("vllm.model_executor.layers.quantization.base_config", QuantizationConfig=QuantizationConfig,
             QuantizeMethodBase=QuantizeMethodBase)
@@ -270,14 +302,21 @@ def import_vllm_ascend(src: Path, device_type: str = "A3"):
     # the Ascend config vLLM-Ascend reads in scheme constructors: defaults, no dynamic EPLB
     # (weight_nz_mode 1, the default: quantized weights go through npu_format_cast, the identity here)
     ascend_config._ASCEND_CONFIG = SimpleNamespace(eplb_config=SimpleNamespace(dynamic_eplb=False),
-                                                   weight_nz_mode=1)
+                                                   weight_nz_mode=1, enable_fused_mc2=0)
     ascend_config._is_ascend_config_initialized = lambda cfg: True
     from vllm_ascend.distributed import parallel_state
 
     parallel_state._MC2 = SimpleNamespace()  # one device: no MC2 communicator (the scheme falls back to "")
-    from vllm_ascend.quantization import modelslim_config
+    if (src / "vllm_ascend" / "quantization" / "configs" / "modelslim_config.py").exists():
+        from vllm_ascend.quantization.configs.modelslim_config import AscendModelSlimConfig
+    else:
+        from vllm_ascend.quantization.modelslim_config import AscendModelSlimConfig
+    from vllm_ascend.quantization.method_adapters import AscendFusedMoEMethod, AscendLinearMethod
 
-    return modelslim_config
+    _SAVED["consumer"] = SimpleNamespace(AscendModelSlimConfig=AscendModelSlimConfig,
+                                         AscendLinearMethod=AscendLinearMethod,
+                                         AscendFusedMoEMethod=AscendFusedMoEMethod)
+    return _SAVED["consumer"]
 
 
 def remove_vllm_ascend() -> None:
@@ -295,5 +334,6 @@ def remove_vllm_ascend() -> None:
         else:
             setattr(owner, "npu", old)
     src = _SAVED.pop("src", None)
+    _SAVED.pop("consumer", None)
     if src in sys.path:
         sys.path.remove(src)
