@@ -565,8 +565,10 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
                        + (f", {res.reused_units} verified and kept" if res.reused_units else "")
                        + f"; {_gb(res.in_bytes_done)} in at {_rate(res.in_bytes_done, res.work_seconds)}")
         else:
-            click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {_count(res.reused_units, 'shard')} verified and kept")
-        click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {_count(len(p.units), 'shard')}; tensors: {counts}")
+            click.echo(f"done in {res.seconds:.1f} s: nothing to convert, {_count(res.reused_units, 'shard')} "
+                       "verified and kept")
+        click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {_count(len(p.units), 'shard')}; "
+                   f"tensors: {counts}")
         if res.calibration is not None:
             from .calibrate.config import describe
 
@@ -611,7 +613,8 @@ def verify(output, no_rehash):
     from .validate.gate import failed_validation
 
     r = verify_output(output, rehash=not no_rehash, quiet=False)
-    click.echo(f"ok: {_count(r['shards'], 'shard')}, {r['tensors']} tensors, {_gb(r['bytes'])}, model_quant_type {r['model_quant_type']}")
+    click.echo(f"ok: {_count(r['shards'], 'shard')}, {r['tensors']} tensors, {_gb(r['bytes'])}, "
+               f"model_quant_type {r['model_quant_type']}")
     click.echo(f"    {r['model_quant_type_meaning']}")
     v = r.get("validation")
     failed = failed_validation(v)

@@ -232,9 +232,10 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
 def _warn_loaders(plan: Plan) -> None:
     """Per-group int4 loads only in some vLLM-Ascend releases: said once the run is accepted (a refused
     run says one line) and before the work."""
-    if plan.group_size:
+    g = max((t.group_size for t in plan.tensors()), default=0)  # per-group int4 only (MX blocks are not groups)
+    if g:
         log.warning("kimi-quant: warning: --group-size %d: %s; --group-size 0 writes what both load",
-                    plan.group_size, PER_GROUP_LOADERS)
+                    g, PER_GROUP_LOADERS)
 
 
 def _check_window(max_disk: int | None, todo: list, entries: dict) -> None:
