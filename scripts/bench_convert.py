@@ -12,7 +12,8 @@ checkpoint and reports, measured in the same run:
     resets it (drop the source's cache; the bench's first read brings it back);
   * peak RSS of the whole process tree (driver + workers, sampled every 20 ms) and of the largest process;
   * cores busy: CPU seconds of the whole process tree over the wall time (and the load average, since
-    other work on the machine skews every number here);
+    other work on the machine skews every number here), and ``steal_pct``: the share of the machine's
+    CPU time a VM's host took back during the runs (the worst run), which skews them too;
   * with --double, the same on a checkpoint with twice the experts (memory must stay flat).
 Optionally (--llm-compressor) runs llm-compressor's model_free_ptq on the same checkpoint when installed.
 
@@ -75,7 +76,18 @@ def tree_rss(pids: list[int]) -> tuple[int, int]:
     return total, biggest
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, total) ticks of all CPUs so far (/proc/stat; (0, 0) where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (v[7] if len(v) > 7 else 0), sum(v[:8])
+
+
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
+    ticks0 = cpu_ticks()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     peak_sum = peak_max = 0
@@ -90,11 +102,14 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
                 cpu[p] = c
         time.sleep(0.02)
     seconds = time.perf_counter() - t0
+    ticks1 = cpu_ticks()
     out = proc.stdout.read()
     if proc.returncode:
         sys.exit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{out}")
     return {"seconds": seconds, "peak_rss_tree": peak_sum, "peak_rss_max": peak_max, "log": out,
-            "cores_busy": sum(cpu.values()) / seconds}
+            "cores_busy": sum(cpu.values()) / seconds,
+            # CPU time the host took back from this VM meanwhile: what moves a run's time without the code
+            "steal_pct": 100 * (ticks1[0] - ticks0[0]) / max(ticks1[1] - ticks0[1], 1)}
 
 
 def read_gbps(src: Path) -> tuple[float, int]:
@@ -243,6 +258,7 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
                      "ratio_to_read": round(gbps / read_bw, 3), "src_map_core_s_per_gb": round(src_map, 3),
                      "out_gb": round(out_bytes / 1e9, 3), "write_gbps": round(write_bw, 2),
                      "cores_busy": round(runs[len(runs) // 2]["cores_busy"], 2),
+                     "steal_pct": round(max(r["steal_pct"] for r in runs), 1),
                      # CPU seconds per GB of input: what a loaded machine distorts least
                      "core_s_per_gb": round(min(r["cores_busy"] * r["seconds"] for r in runs) / (nbytes / 1e9), 3),
                      "loadavg_1m": round(os.getloadavg()[0], 2),
