@@ -414,7 +414,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 
     lines = [f"plan     {p.source}" + (f" @ {p.revision}" if p.revision else "")
              + f" -> {p.target} (recipe {p.recipe['name']}"
-             + (f", int4 per group of {p.group_size}" if any(t.group_size for t in p.tensors()) else "")
+             + (f", int4 per group of {p.int4_group_size}" if p.int4_group_size else "")
              + f"): {_count(job['units'], 'output shard')} (max {_gb(p.max_shard_size)})",
              f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
              f"{_gb(job['in_bytes'])} BF16 input)"]
@@ -466,7 +466,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
         lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled kernels are "
                      f"not used ({kernels['why']}); delete {kernels['retry']} to build them again")
     lines.append("quant    " + model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())))
-    if any(t.group_size for t in p.tensors()):
+    if p.int4_group_size:
         lines.append(f"loaders  {PER_GROUP_LOADERS}: --group-size 0 writes what both load")
     return lines
 

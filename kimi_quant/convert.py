@@ -232,10 +232,9 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
 def _warn_loaders(plan: Plan) -> None:
     """Per-group int4 loads only in some vLLM-Ascend releases: said once the run is accepted (a refused
     run says one line) and before the work."""
-    g = max((t.group_size for t in plan.tensors()), default=0)  # per-group int4 only (MX blocks are not groups)
-    if g:
+    if plan.int4_group_size:
         log.warning("kimi-quant: warning: --group-size %d: %s; --group-size 0 writes what both load",
-                    g, PER_GROUP_LOADERS)
+                    plan.int4_group_size, PER_GROUP_LOADERS)
 
 
 def _check_window(max_disk: int | None, todo: list, entries: dict) -> None:

@@ -167,6 +167,12 @@ class Plan:
         for u in self.units:
             yield from u.tensors
 
+    @cached_property  # plans are not mutated (see TensorPlan)
+    def int4_group_size(self) -> int:
+        """G of the per-group int4 (W4A8_DYNAMIC) tensors; 0 when there are none. Not ``group_size``,
+        the description's, which is 32 for the MX targets (their blocks are not int4 groups)."""
+        return max((t.group_size for t in self.tensors()), default=0)
+
     def source_order(self) -> list[str]:
         """Source shards in the order the units first need them."""
         seen: dict[str, None] = {}
