@@ -348,8 +348,10 @@ def bench_llm_compressor(src: Path, work: Path, python: str, targets: list[str],
     env = dict(os.environ)
     if path:  # llm-compressor installed apart (pip install --no-deps --target DIR): only its runs see it
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p)
-    if subprocess.run([python, "-c", "import llmcompressor"], capture_output=True, env=env).returncode:
-        print(f"llm-compressor not importable by {python}: skipping the side-by-side", file=sys.stderr)
+    probe = subprocess.run([python, "-c", "import llmcompressor"], capture_output=True, text=True, env=env)
+    if probe.returncode:  # say why: a --no-deps install misses a dependency more often than llmcompressor itself
+        why = (probe.stderr.strip().splitlines() or ["no error output"])[-1]
+        print(f"llm-compressor not importable by {python} ({why}): skipping the side-by-side", file=sys.stderr)
         return []
     rows = []
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
