@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 from pathlib import Path
 
 
@@ -15,3 +17,20 @@ def cache_dir() -> Path:
         if os.environ.get(var):
             return Path(os.environ[var]).expanduser() / "kimi-quant"
     return Path.home() / ".cache" / "kimi-quant"
+
+
+def cpu_id() -> str:
+    """The kind of CPU this process runs on, for keys of what depends on it (compiled kernels, measured
+    rates): vendor, model name and feature flags. The model name alone does not do: a VM may report
+    "AMD EPYC" both with and without AVX-512, and a shared home on a mixed cluster meets both."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    first = text.split("\n\n", 1)[0]
+    return "\n".join(ln for ln in first.splitlines() if ln.startswith(("model name", "flags", "vendor_id")))
+
+
+def cpu_key() -> str:
+    """A short digest of ``cpu_id()``."""
+    return hashlib.blake2b(cpu_id().encode(), digest_size=8).hexdigest()

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .cache import cache_dir
+from .cache import cache_dir, cpu_key
 from .plan import Plan
 from .recipe.recipe import FLOAT
 
@@ -65,10 +65,11 @@ class Rates:
     the output, sha256 it for the journal, Python around it)."""
 
     per_byte: dict[str, float]
-    cpu: str
+    cpu: str  # the model name, for people; ``cpu_key`` decides whether the rates still hold
     tool_version: str
     measured_at: str
     code: str = ""  # ``code_fingerprint()`` of the code measured
+    cpu_key: str = ""  # ``cache.cpu_key()``: model name and feature flags
     where: str = ""  # "measured now" or the file they were read from (not stored)
 
     def to_json(self) -> dict:
@@ -127,7 +128,7 @@ def measure_rates() -> Rates:
                 TensorPlan(n, src.name, "BF16", list(SAMPLE_SHAPE), scheme, matmul,
                            _outputs(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
             per_byte[scheme] = _cpu_time(lambda: convert_unit(unit, {src.name: str(src)}, d)) / unit.in_bytes
-    return Rates(per_byte=per_byte, cpu=_cpu_name(), tool_version=__version__,
+    return Rates(per_byte=per_byte, cpu=_cpu_name(), cpu_key=cpu_key(), tool_version=__version__,
                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), code=code_fingerprint(),
                  where="measured now")
 
@@ -144,7 +145,8 @@ def load_rates(remeasure: bool = False, on_measure=None) -> Rates:
         try:
             d = json.loads(path.read_text())
             r = Rates(**d)
-            if r.tool_version == __version__ and r.cpu == _cpu_name() and r.code == code_fingerprint() and r.per_byte:
+            if (r.tool_version == __version__ and r.cpu_key == cpu_key() and r.code == code_fingerprint()
+                    and r.per_byte):
                 r.where = str(path)
                 return r
         except (OSError, ValueError, TypeError):

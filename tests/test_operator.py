@@ -440,7 +440,7 @@ def test_stored_rates_are_remeasured_when_the_measured_code_changes(tmp_path, mo
     def fake_measure():
         measured.append(1)
         return estimate.Rates({"FLOAT": 1e-9}, estimate._cpu_name(), estimate.__version__, "now",
-                              code=estimate.code_fingerprint())
+                              code=estimate.code_fingerprint(), cpu_key=estimate.cpu_key())
 
     monkeypatch.setattr(estimate, "measure_rates", fake_measure)
     estimate.load_rates()
@@ -452,6 +452,14 @@ def test_stored_rates_are_remeasured_when_the_measured_code_changes(tmp_path, mo
     path.write_text(json.dumps({**stored, "code": "0" * 16}))  # measured with other kernels
     estimate.load_rates()
     assert len(measured) == 2
+    # Same model name, other feature flags (a VM says "AMD EPYC" with and without AVX-512): measured again.
+    assert json.loads(path.read_text())["cpu_key"] == estimate.cpu_key()
+    path.write_text(json.dumps({**json.loads(path.read_text()), "cpu_key": "0" * 16}))
+    estimate.load_rates()
+    assert len(measured) == 3
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "cpu_key"}))
+    estimate.load_rates()  # stored by a version that did not record the flags
+    assert len(measured) == 4
 
 
 _WORKERS_PROBE = """

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cache import cache_dir, cpu_id
+
 #: The exported kernels: name -> the argument kinds of its one signature. "w": the weights' bf16 bits,
 #: uint16 [N, K] (typed read-only: pycc accepts a writable array there too, and the kernels never write
 #: it); "i64"/"f32": scalars; other entries: a writable C-contiguous 2-D output of that dtype.
@@ -49,18 +51,6 @@ EXPORTS = {
 #: What the key covers besides the versions: the sources the compiled code comes from.
 _SOURCES = ("kernels.py", "numerics.py", "aot.py")
 _HERE = Path(__file__).resolve().parent
-
-
-def _cpu_id() -> str:
-    """The CPU the module is compiled for (a shared home on a mixed cluster gets one module per kind)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-
-        return platform.machine() + platform.processor()
-    first = text.split("\n\n", 1)[0]
-    return "\n".join(ln for ln in first.splitlines() if ln.startswith(("model name", "flags", "vendor_id")))
 
 
 def _package_version(name: str) -> bytes:
@@ -81,7 +71,7 @@ def key() -> str:
     for name in _SOURCES:
         h.update((_HERE / name).read_bytes())
     for part in (_package_version("numba"), _package_version("llvmlite"), sys.implementation.cache_tag.encode(),
-                 (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(), _cpu_id().encode()):
+                 (sysconfig.get_config_var("EXT_SUFFIX") or "").encode(), cpu_id().encode()):
         h.update(b"\0" + part)
     return h.hexdigest()
 
@@ -93,8 +83,6 @@ def cache_root() -> Path:
     here = _HERE / "__pycache__"
     if os.access(_HERE, os.W_OK) and (not here.exists() or os.access(here, os.W_OK)):
         return here
-    from ..cache import cache_dir
-
     return cache_dir() / "kernels"
 
 
