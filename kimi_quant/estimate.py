@@ -22,6 +22,7 @@ codecs bounds the run instead), and the few per cent that splitting the last sha
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -90,14 +91,18 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
-def _cpu_time(fn, repeat: int = 3) -> float:
-    """Best of ``repeat`` runs in CPU seconds of this thread: robust when other work shares the cores."""
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - t)
-    return max(best, 1e-9)
+def _best_cpu_times(fns: dict, rounds: int = 3) -> dict:
+    """Per key, the best of ``rounds`` runs of its function in CPU seconds of this thread (robust when
+    other work time-shares the cores). The rounds go through every function in turn, so a burst of
+    other work (a compile, a second job on the other hyperthread of a core) that slows this thread's
+    CPU time too spoils one sample of each rather than every sample of one."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t = time.thread_time()
+            fn()
+            best[key] = min(best[key], time.thread_time() - t)
+    return {key: max(v, 1e-9) for key, v in best.items()}
 
 
 def measure_rates() -> Rates:
@@ -120,14 +125,16 @@ def measure_rates() -> Rates:
         for _, n in names:
             writer.write(n, f32_to_bf16((0.02 * rng.standard_normal(SAMPLE_SHAPE)).astype(np.float32)))
         writer.commit()
-        per_byte = {}
+        units = {}
         for scheme in schemes:
             codec = REGISTRY.get(scheme)
             matmul = "down" if codec is not None and codec.check(SAMPLE_SHAPE, "down") is None else None
-            unit = UnitPlan(f"{scheme}.safetensors", [
+            units[scheme] = UnitPlan(f"{scheme}.safetensors", [
                 TensorPlan(n, src.name, "BF16", list(SAMPLE_SHAPE), scheme, matmul,
                            _outputs(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
-            per_byte[scheme] = _cpu_time(lambda: convert_unit(unit, {src.name: str(src)}, d)) / unit.in_bytes
+        seconds = _best_cpu_times({scheme: functools.partial(convert_unit, unit, {src.name: str(src)}, d)
+                                   for scheme, unit in units.items()})
+        per_byte = {scheme: seconds[scheme] / unit.in_bytes for scheme, unit in units.items()}
     return Rates(per_byte=per_byte, cpu=_cpu_name(), cpu_key=cpu_key(), tool_version=__version__,
                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), code=code_fingerprint(),
                  where="measured now")
