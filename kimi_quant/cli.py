@@ -195,7 +195,8 @@ def _plan_options(f):
                           "128 or 256 (msModelSlim's sizes; every expert's K must be a multiple of G). Better "
                           "quality, larger output (+6% of the expert bytes at 256); the description's group_size "
                           "becomes G. vLLM-Ascend 0.23.x loads it; from 0.27.1rc1 on it refuses per-group "
-                          "weights. 0: one scale per output channel. [default: the recipe's group_size, else 0]"),
+                          "weights, and SGLang loads it wrong (drops the group scales). 0: one scale per "
+                          "output channel, which every loader reads. [default: the recipe's group_size, else 0]"),
     ]):
         f = deco(f)
     return f
@@ -467,7 +468,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
                      f"not used ({kernels['why']}); delete {kernels['retry']} to build them again")
     lines.append("quant    " + model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())))
     if p.int4_group_size:
-        lines.append(f"loaders  {PER_GROUP_LOADERS}: --group-size 0 writes what both load")
+        lines.append(f"loaders  {PER_GROUP_LOADERS}: --group-size 0 writes what all of them load")
     return lines
 
 

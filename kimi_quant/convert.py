@@ -230,10 +230,10 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
 
 
 def _warn_loaders(plan: Plan) -> None:
-    """Per-group int4 loads only in some vLLM-Ascend releases: said once the run is accepted (a refused
-    run says one line) and before the work."""
+    """Per-group int4 loads only in some vLLM-Ascend releases (and SGLang misreads it): said once the run is
+    accepted (a refused run says one line) and before the work."""
     if plan.int4_group_size:
-        log.warning("kimi-quant: warning: --group-size %d: %s; --group-size 0 writes what both load",
+        log.warning("kimi-quant: warning: --group-size %d: %s; --group-size 0 writes what all of them load",
                     plan.int4_group_size, PER_GROUP_LOADERS)
 
 

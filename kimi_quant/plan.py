@@ -64,8 +64,10 @@ def moe_layer_types(types: dict[str, str]) -> dict[str, str]:
 #: Which vLLM-Ascend releases load per-group W4A8_DYNAMIC experts (the description's group_size > 0).
 #: Read in its code: 0.23.x (the stable line) does; from 0.27.1rc1 on AscendW4A8DynamicFusedMoEMethod
 #: raises "Per-Group quantization ... no longer supported" at init (per channel only).
+#: Who reads per-group int4 experts (``--group-size``), from the consumers' code (tests/test_consumer_*.py).
 PER_GROUP_LOADERS = ("vLLM-Ascend 0.23.x loads per-group int4 experts; from 0.27.1rc1 on it refuses them "
-                     "(per channel only)")
+                     "(per channel only); SGLang (0.5.23) loads them without a word but drops the group scales, "
+                     "so its experts come out wrong")
 
 
 def loader_refusal(scheme: str, role, shape) -> str | None:

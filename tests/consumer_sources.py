@@ -2,10 +2,11 @@
 
     python tests/consumer_sources.py      # fetch and unpack them all into the cache (what .ci/run does)
 
-Nothing is built or installed: the vLLM-Ascend sdist's Python files are unpacked and imported from
-there (with its NPU-only dependencies stubbed, see ``vllm_ascend_stubs.py``), and msModelSlim's
-packing module is imported straight from its wheel. The cache is ``$KIMI_QUANT_CONSUMER_CACHE``
-(default ``~/.cache/kimi-quant/consumers``); a file already there with the right sha256 is reused.
+Nothing is built or installed: the vLLM-Ascend sdist's and the SGLang wheel's Python files are unpacked
+and imported from there (with their NPU-only dependencies stubbed, see ``vllm_ascend_stubs.py`` and
+``sglang_stubs.py``), and msModelSlim's packing module is imported straight from its wheel. The cache
+is ``$KIMI_QUANT_CONSUMER_CACHE`` (default ``~/.cache/kimi-quant/consumers``); a file already there with
+the right sha256 is reused.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ VLLM_ASCEND_RC = PinnedFile("vllm-ascend", "0.30.0rc2", "vllm_ascend-0.30.0rc2.t
                             "05cb51448c0cd174ea338b16ebbfc8e215f44b373ea2a0d65f1314523a01152f")
 #: every vLLM-Ascend the conformance test runs against: the latest stable release first
 VLLM_ASCEND_PINS = (VLLM_ASCEND, VLLM_ASCEND_RC)
+#: SGLang's Ascend ModelSlim loader (and its Kimi K3 model): a binary wheel, of which only the .py files are used
+SGLANG = PinnedFile("sglang", "0.5.23", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl",
+                    "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937")
 MSMODELSLIM = PinnedFile("msmodelslim", "26.1.0", "msmodelslim-26.1.0-py3-none-any.whl",
                          "2fbcfe268f15c3ec8b58d0b3f1eb721cff9e29ab692acd5878b542895ed3304e")
 
@@ -98,6 +102,31 @@ def vllm_ascend_source(pin: PinnedFile = VLLM_ASCEND) -> Path:
     return root
 
 
+def sglang_source(pin: PinnedFile = SGLANG) -> Path:
+    """Directory holding the ``sglang`` package of the pinned wheel (its .py files only, never installed)."""
+    root = cache_dir() / f"sglang-{pin.version}"
+    marker = root / ".kimi-quant-unpacked"
+    if marker.exists() and marker.read_text() == pin.sha256:
+        return root
+    archive = fetch(pin)
+    with zipfile.ZipFile(archive) as z:
+        for info in z.infolist():
+            name = info.filename
+            parts = name.split("/")
+            if info.is_dir() or not name.endswith(".py") or parts[0] != "sglang":
+                continue
+            # zip entries are plain names: refuse absolute ones, "..", backslashes and symlinks (mode in the
+            # upper 16 bits of external_attr, as unix zips record it)
+            is_link = (info.external_attr >> 16) & 0o170000 == 0o120000
+            if name.startswith("/") or "\\" in name or ".." in parts or is_link:
+                raise Unavailable(f"{pin.filename}: unsafe member {name!r}")
+            dest = root.joinpath(*parts)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(z.read(info))
+    marker.write_text(pin.sha256)
+    return root
+
+
 def msmodelslim_wheel() -> Path:
     return fetch(MSMODELSLIM)
 
@@ -111,4 +140,5 @@ def msmodelslim_file(inner: str) -> bytes:
 if __name__ == "__main__":
     for va in VLLM_ASCEND_PINS:
         print(vllm_ascend_source(va))
+    print(sglang_source())
     print(msmodelslim_wheel())

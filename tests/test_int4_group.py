@@ -250,6 +250,8 @@ def test_plan_refuses_what_the_loader_cannot_read(tiny_source):
     assert r.returncode == 0, r.stderr
     # read in vLLM-Ascend's code: 0.27.1rc1+ raises at init on group_size > 0 (tests/test_consumer_vllm_ascend.py)
     assert "loaders  vLLM-Ascend 0.23.x loads per-group int4 experts; from 0.27.1rc1 on it refuses them" in r.stdout
+    # and SGLang 0.5.23 drops the group scales without a word (tests/test_consumer_sglang.py, the xfail)
+    assert "SGLang (0.5.23) loads them without a word but drops the group scales" in r.stdout
     assert "int4 per group of 32" in r.stdout.splitlines()[0]
 
 
@@ -276,6 +278,7 @@ def grouped(tiny_source, tmp_path_factory):
     # said before the work, even with -q: the newer loaders refuse what this writes
     assert "warning: --group-size 32: vLLM-Ascend 0.23.x loads per-group int4 experts; from 0.27.1rc1 on it " \
            "refuses them" in r.stderr.splitlines()[0], r.stderr
+    assert "SGLang (0.5.23)" in r.stderr.splitlines()[0] and "what all of them load" in r.stderr.splitlines()[0]
     return out
 
 
@@ -300,6 +303,7 @@ def test_convert_writes_the_per_group_layout_and_verify_checks_it(grouped, tmp_p
     assert prov["group_size"] == 32
     card = (grouped / "README.md").read_text()
     assert "per group of 32 inputs (`--group-size 32`)" in card and "from 0.27.1rc1 on it refuses them" in card
+    assert "SGLang (0.5.23) loads them without a word but drops the group scales" in card
     r = kq("verify", grouped)
     assert r.returncode == 0, r.stderr
 
