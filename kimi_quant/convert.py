@@ -133,7 +133,9 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[
     for stale in out_dir.rglob("*.partial"):  # copied files may live in subdirectories
         stale.unlink()
     if journal.start is None:
-        journal.begin(fingerprint, {**summary, **({"options": options} if options is not None else {})})
+        # the shard count lets `verify` say how far an unfinished output got
+        journal.begin(fingerprint, {**summary, "units": len(plan.units),
+                                    **({"options": options} if options is not None else {})})
     return journal
 
 

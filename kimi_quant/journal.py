@@ -210,6 +210,18 @@ def finish_command(options: dict, out_dir: Path) -> str:
     return shlex.join(args)
 
 
+def unfinished(journal: Journal, out_dir: Path) -> str:
+    """How far an unfinished output got and the command that finishes it, for one line."""
+    done = len(journal.units)
+    total = journal.start.get("units") if journal.start else None
+    of = f" of {total}" if isinstance(total, int) and not isinstance(total, bool) and total >= done else ""
+    got = f"{done}{of} shard{'s' if (total if of else done) != 1 else ''} written"
+    options = journal.start.get("options") if journal.start else None
+    if isinstance(options, dict) and isinstance(options.get("source"), str):
+        return f"{got}; the command that finishes it: {finish_command(options, out_dir)}"
+    return f"{got}; re-run the same convert command to finish it"
+
+
 def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out_dir: Path,
                           options: dict | None = None) -> None:
     """Refuse a run whose plan differs from the one ``out_dir`` was started with, naming the options

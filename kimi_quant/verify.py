@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import KimiQuantError
 from .hashing import sha256_file, sha256_files
-from .journal import Journal
+from .journal import Journal, unfinished
 from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from .dtypes import nonfinite
 from .plan import MXFP4_LOADER_K_MULTIPLE, model_quant_type_meaning, moe_layer_types
@@ -164,7 +164,7 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     if journal.start is None:
         raise _fail(out_dir, "no kimi-quant journal (not written by kimi-quant?)")
     if not journal.complete:
-        raise _fail(out_dir, "conversion incomplete: re-run the same convert command to finish it")
+        raise _fail(out_dir, f"conversion incomplete ({unfinished(journal, out_dir)})")
     for name, sha in journal.metadata.items():
         if not (out_dir / name).exists():
             raise _fail(out_dir, f"{name} is missing")

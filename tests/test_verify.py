@@ -150,8 +150,25 @@ def test_incomplete_conversion(out):
     lines = path.read_text().splitlines(keepends=True)
     assert json.loads(lines[-1])["kind"] == "complete"
     path.write_text("".join(lines[:-1]))
+    # how far it got, and the command that finishes it (from the options the journal recorded)
+    total = json.loads(lines[0])["units"]
+    assert total == len(shards(out)) > 1
     line = fails(out)
-    assert "incomplete" in line and "re-run" in line
+    assert f"conversion incomplete ({total} of {total} shards written; the command that finishes it: " \
+           f"kimi-quant convert " in line and f"--output {out}" in line, line
+    # the last shard's record gone too: one fewer written
+    path.write_text("".join(ln for ln in lines[:-1] if ln != max(
+        (ln for ln in lines if json.loads(ln)["kind"] == "unit"), key=lambda ln: json.loads(ln)["file"])))
+    assert f"({total - 1} of {total} shards written;" in fails(out)
+    # a journal from before the count, or with a hostile one, still says how many are written
+    start = json.loads(lines[0])
+    for units in (None, "10", True, -1):
+        rest = path.read_text().splitlines(keepends=True)[1:]
+        path.write_text(json.dumps({**start, "units": units}) + "\n" + "".join(rest))
+        assert f"({total - 1} shards written;" in fails(out)
+    # no recorded options (an older journal): the generic advice
+    path.write_text(json.dumps({k: v for k, v in start.items() if k != "options"}) + "\n" + "".join(rest))
+    assert "shards written; re-run the same convert command to finish it)" in fails(out)
 
 
 def test_no_journal(out):
