@@ -350,3 +350,11 @@ def test_per_group_int4_experts_load_as_written(sgl, tiny, tmp_path):
                 full = f"{parts[0]}.{e}.{name}"
                 want = _ours("W4A8_DYNAMIC", ckpt, full, desc["group_size"])
                 assert torch.equal(w, want), f"{full}: SGLang reads {_rel(w, want):.3f} off what we wrote"
+
+
+def test_the_checked_loaders_line_names_the_pinned_versions():
+    """What the model card and docs say the tests check (``plan.CHECKED_LOADERS``) is what they pin."""
+    from kimi_quant.plan import CHECKED_LOADERS
+
+    vllm = " and ".join(p.version for p in cs.VLLM_ASCEND_PINS)
+    assert CHECKED_LOADERS == f"vLLM-Ascend {vllm}, SGLang {cs.SGLANG.version}"

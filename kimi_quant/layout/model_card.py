@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..plan import PER_GROUP_LOADERS
+from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS
 from .ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 
 CARD = "README.md"
@@ -135,7 +135,7 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
         g = desc.get("group_size")
         lines.append("| Int4 scales | " + (f"per group of {g} inputs (`--group-size {g}`): weight_scale_second, "
                                            f"float16 values. {PER_GROUP_LOADERS}"
-                                           if isinstance(g, int) and g > 0 else
+                                           if _per_group(desc, types) else
                                            "per output channel (`--group-size` not given)") + " |")
     rules = recipe.get("rules") if isinstance(recipe, dict) else None
     if rules:
@@ -157,6 +157,14 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
               "```", "",
               "The loader reads `quant_model_description.json` and does the NZ cast, transposes and int4 packing "
               "views at load time; the files here are plain ND tensors. Adjust parallelism to your cluster.", "",
+              "## Serving with SGLang", "",
+              "```bash",
+              "python -m sglang.launch_server --model-path ./model --device npu --quantization modelslim \\",
+              f"    --tp-size {tp} --trust-remote-code",
+              "```", "",
+              "SGLang also finds `quant_model_description.json` by itself and picks its ModelSlim loader.", "",
+              f"kimi-quant's tests load this layout through the loaders' own code: {CHECKED_LOADERS}"
+              + (" (with the per-group caveat above)." if _per_group(desc, types) else "."), "",
               "## Provenance", "",
               f"`{PROVENANCE}` records the source and its resolved revision, the size of every input shard "
               f"(with its sha256 for {hashed} of {len(inputs)}), the sha256 of every output shard, the target, the "
@@ -170,3 +178,9 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
     if link:
         lines += ["", "The source model's own card: " + ", ".join(link) + "; its licence terms apply to these weights."]
     return "\n".join(lines) + "\n"
+
+
+def _per_group(desc: dict, types: dict) -> bool:
+    """Per-group int4 experts (``--group-size``): what not every loader reads."""
+    g = desc.get("group_size")
+    return "W4A8_DYNAMIC" in types and isinstance(g, int) and not isinstance(g, bool) and g > 0
