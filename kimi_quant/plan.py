@@ -61,13 +61,14 @@ def moe_layer_types(types: dict[str, str]) -> dict[str, str]:
     return out
 
 
-#: Which vLLM-Ascend releases load per-group W4A8_DYNAMIC experts (the description's group_size > 0).
-#: Read in its code: 0.23.x (the stable line) does; from 0.27.1rc1 on AscendW4A8DynamicFusedMoEMethod
-#: raises "Per-Group quantization ... no longer supported" at init (per channel only).
 #: The serving loaders whose own code the conformance tests run on our outputs (tests/consumer_sources.py
 #: pins them; a test keeps this line equal to those pins).
 CHECKED_LOADERS = "vLLM-Ascend 0.23.0.post1 and 0.30.0rc2, SGLang 0.5.23"
-#: Who reads per-group int4 experts (``--group-size``), from the consumers' code (tests/test_consumer_*.py).
+#: Who loads per-group W4A8_DYNAMIC experts (the description's group_size > 0), read in their code and run
+#: in tests/test_consumer_*.py: vLLM-Ascend 0.23.x (the stable line) does; from 0.27.1rc1 on its
+#: AscendW4A8DynamicFusedMoEMethod raises "Per-Group quantization ... no longer supported" at init;
+#: SGLang 0.5.23 builds its W4A8 MoE scheme with group_size=0 and its K3 load_weights skips the
+#: *_second tensors it has no parameter for.
 PER_GROUP_LOADERS = ("vLLM-Ascend 0.23.x loads per-group int4 experts; from 0.27.1rc1 on it refuses them "
                      "(per channel only); SGLang (0.5.23) loads them without a word but drops the group scales, "
                      "so its experts come out wrong")
