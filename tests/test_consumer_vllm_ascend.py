@@ -6,10 +6,12 @@ Against each pinned vLLM-Ascend (``consumer_sources.VLLM_ASCEND_PINS``: the late
 For both targets, on the converted tiny fixture: every Linear and fused-MoE layer a K3-style vLLM
 model builds (KDA, MLA, dense MLP, shared experts, routed experts, latent-MoE projections, lm_head)
 gets its quant method from the real ``AscendModelSlimConfig.get_quant_method``; quantized layers get
-their parameters from the real ``create_weights``, our tensors loaded the way vLLM's tp=1 weight
-loaders do (fused modules: each part into its slice), and the real ``process_weights_after_loading``;
+their parameters from the real ``create_weights``, our tensors loaded the way vLLM's weight
+loaders do (fused modules: each part into its slice; vLLM is not pinned, so its loaders are restated here,
+and vLLM-Ascend's own loader wrappers run), and the real ``process_weights_after_loading``;
 then the weights are dequantized the way the NPU ops consume the processed tensors and compared
 with BF16 and with our own codecs. Only what needs an NPU is stood in (``vllm_ascend_stubs.py``).
+At tensor-parallel size 2 (no EP) each rank's pieces, put together, must be what tp=1 reads.
 
 Two K3 layer layouts are checked, as the serving code builds them: SGLang's ``kimi_k3.py``
 (``fused_qkvg_proj`` = q,k,v,g; b/f_a/f_b separate) and vLLM's K3 model (``in_proj_qkvgfab`` =
@@ -22,7 +24,9 @@ Where the pinned versions differ on our outputs (``EXPECT``), each is held to wh
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -160,10 +164,11 @@ def model_layers(spec, layout: str) -> list[tuple[str, str, list[str]]]:
     return layers
 
 
-def _config(va, desc: dict, layout: str):
+def _config(va, desc: dict, layout: str, tp: int = 1, rank: int = 0):
+    """The config, current while layers are built, on rank ``rank`` of ``tp`` (tensor parallel, no EP)."""
     cfg = va.AscendModelSlimConfig(json.loads(json.dumps(desc)))
     cfg.packed_modules_mapping = {k: list(v) for k, v in LAYOUTS[layout].items()}  # from the model class
-    va.stubs.set_current_vllm_config(cfg, "kimi_k3")
+    va.stubs.set_current_vllm_config(cfg, "kimi_k3", tp_size=tp, tp_rank=rank)
     return cfg
 
 
@@ -176,48 +181,74 @@ def _layer(va, kind: str, prefix: str, activation: str = "situ"):
     return (va.stubs.RowParallelLinear if kind == "row" else va.stubs.MergedColumnParallelLinear)(prefix)
 
 
+# -- vLLM's weight loaders (vLLM itself is not among the pinned sources: what its loaders do, on the rank
+# the layer was built for: ``layer.tp_rank`` of ``layer.tp_size``) ----------------------------------------
+def _is_row(layer) -> bool:  # the stubs' RowParallelLinear (imported with the version under test)
+    return any(c.__name__ == "RowParallelLinear" for c in type(layer).__mro__)
+
+
+def _vllm_linear_loader(layer, param, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    """``vllm/model_executor/layers/linear.py``: ``RowParallelLinear.weight_loader`` narrows a parameter with
+    an ``input_dim`` along it (by the local size, at ``tp_rank``); ``(Merged)ColumnParallelLinear.weight_loader``
+    puts part ``shard_id`` at its local offset and narrows along ``output_dim``; a parameter without that
+    dim (a per-channel scale of a row-parallel layer) is copied whole: replicated."""
+    data, rank = param.data, layer.tp_rank
+    if _is_row(layer):
+        dim = getattr(param, "input_dim", None)
+        if dim is not None:
+            loaded = loaded.narrow(dim, rank * data.shape[dim], data.shape[dim])
+    elif getattr(param, "output_dim", None) is not None:
+        dim, sizes = param.output_dim, layer.output_partition_sizes
+        data = data.narrow(dim, sum(sizes[: shard_id or 0]), sizes[shard_id or 0])
+        loaded = loaded.narrow(dim, rank * data.shape[dim], data.shape[dim])
+    assert tuple(data.shape) == tuple(loaded.shape), f"loader has {list(data.shape)}, ours {list(loaded.shape)}"
+    data.copy_(loaded)
+
+
 def _create_linear(method, layer, K: int, sizes: list[int]) -> None:
-    """create_weights as vLLM's tp=1 Linear layers call it (their constructors also set these sizes)."""
-    layer.input_size = layer.input_size_per_partition = K
-    layer.output_size, layer.output_partition_sizes = sum(sizes), list(sizes)
-    method.create_weights(layer, input_size_per_partition=K, output_partition_sizes=sizes, input_size=K,
-                          output_size=sum(sizes), params_dtype=torch.bfloat16, weight_loader=None)
+    """create_weights as vLLM's Linear layers call it, with the sizes their constructors set: this rank's
+    part of K (row-parallel) or of each output part (column-parallel); their loader as ``weight_loader``."""
+    tp = layer.tp_size
+    row = _is_row(layer)
+    local = list(sizes) if row else [s // tp for s in sizes]
+    layer.input_size, layer.input_size_per_partition = K, K // tp if row else K
+    layer.output_size, layer.output_partition_sizes = sum(sizes), local
+    method.create_weights(layer, input_size_per_partition=layer.input_size_per_partition,
+                          output_partition_sizes=local, input_size=K, output_size=sum(sizes),
+                          params_dtype=torch.bfloat16, weight_loader=functools.partial(_vllm_linear_loader, layer))
 
 
 def _load_linear(layer, parts: list[str], ckpt: dict[str, torch.Tensor]) -> None:
-    """vLLM's tp=1 Linear loaders: each part's tensor into its slice along ``output_dim``."""
+    """Each part's tensors through the parameter's ``weight_loader``: vLLM's (above), or the one
+    vLLM-Ascend puts in its place (0.30: MX scales of a row-parallel layer, ``_make_mx_scale_weight_loader``)."""
     for name, param in layer.named_parameters():
-        offset = 0
-        for part in parts:
+        for i, part in enumerate(parts):
             src = ckpt[f"{part}.{name}"]
-            dst = param.data
-            out_dim = getattr(param, "output_dim", None)
-            if len(parts) > 1:
-                assert out_dim is not None, f"{part}.{name}: a fused module's parameter needs an output_dim"
-                dst = dst.narrow(out_dim, offset, src.shape[out_dim])
-                offset += src.shape[out_dim]
-            assert tuple(dst.shape) == tuple(src.shape), f"{part}.{name}: loader has {list(dst.shape)}, ours {list(src.shape)}"
-            dst.copy_(src.view(dst.dtype) if src.dtype == torch.uint8 and dst.dtype == torch.float8_e4m3fn else src)
-        if len(parts) > 1:
-            assert offset == param.shape[param.output_dim], f"{name}: parts fill {offset} of {param.shape}"
+            src = src.view(param.dtype) if src.dtype == torch.uint8 and param.dtype == torch.float8_e4m3fn else src
+            param.weight_loader(param, src, *([i] if len(parts) > 1 else []))
 
 
 def _load_moe(layer, moe: str, num_experts: int, ckpt: dict[str, torch.Tensor]) -> None:
-    """vLLM's tp=1 FusedMoE loader: w1 (gate) and w3 (up) into the two halves of w13_*, w2 whole."""
+    """vLLM's ``FusedMoE.weight_loader`` (``vllm/model_executor/layers/fused_moe/layer.py``: ``_load_w13``,
+    ``_load_w2``, ``_load_per_channel_weight_scale``): w1 (gate) and w3 (up), column-parallel, narrowed
+    along dim 0 into the two halves of w13_*; w2 (down), row-parallel, narrowed along dim 1 (K), except
+    a scale/offset vLLM-Ascend marks per channel ("channel"), which is copied whole. Weights, and the
+    scales it marks "group" (``scale_bias``, MX block scales, per-group scales), are narrowed."""
+    rank = layer.tp_rank
     for name, param in layer.named_parameters():
         which, suffix = name.split("_", 1)  # "w13", "weight_scale"
+        whole = getattr(param, "quant_method", None) == "channel" and any(k in suffix for k in ("scale", "offset"))
         for e in range(num_experts):
-            if which == "w13":
-                for half, w in enumerate(("w1", "w3")):
-                    src = ckpt[f"{moe}.{e}.{w}.{suffix}"]
-                    n = param.shape[1] // 2
-                    dst = param.data[e].narrow(0, half * n, n)
-                    assert tuple(dst.shape) == tuple(src.shape), f"{moe}.{e}.{w}.{suffix}: {list(dst.shape)} vs {list(src.shape)}"
-                    dst.copy_(src)
-            else:
-                src = ckpt[f"{moe}.{e}.w2.{suffix}"]
-                assert tuple(param.data[e].shape) == tuple(src.shape), f"{moe}.{e}.w2.{suffix}"
-                param.data[e].copy_(src)
+            for half, w in enumerate(("w1", "w3") if which == "w13" else ("w2",)):
+                src, dst = ckpt[f"{moe}.{e}.{w}.{suffix}"], param.data[e]
+                if w == "w2":
+                    if not whole:
+                        src = src.narrow(1, rank * dst.shape[1], dst.shape[1])
+                else:
+                    n = dst.shape[0] // 2
+                    src, dst = src.narrow(0, rank * n, n), dst.narrow(0, half * n, n)
+                assert tuple(dst.shape) == tuple(src.shape), f"{moe}.{e}.{w}.{suffix}: {list(dst.shape)} vs {list(src.shape)}"
+                dst.copy_(src)
 
 
 # -- dequantize the processed tensors the way the NPU ops read them ---------------------------------------
@@ -297,8 +328,101 @@ def moe_weights(qtype: str, layer, I: int):
     return out, bias
 
 
+def mx_loaded_experts(layer, I: int):
+    """Per expert (gate, up, down) from the W4A8_MXFP expert tensors as loaded, before processing (the
+    same values, relaid out): weight [E, N, K/2] E2M1 along K, weight_scale [E, N, K/32] E8M0."""
+    def dq(w, s):
+        return _e2m1(_nibbles(w.data, signed=False)) * _e8m0(s.data).repeat_interleave(32, -1)
+
+    w13, w2 = dq(layer.w13_weight, layer.w13_weight_scale), dq(layer.w2_weight, layer.w2_weight_scale)
+    return [(w13[e, :I], w13[e, I:], w2[e]) for e in range(w13.shape[0])]
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def load_and_read(method, layer, kind: str, qtype: str, prefix: str, parts: list[str], ckpt: dict, spec):
+    """create_weights, vLLM's loaders (this rank's slice), process_weights_after_loading, then what the NPU
+    ops read: Linear: ([N, K] of this rank, None); MoE: ``moe_weights`` of this rank.
+
+    W4A8_MXFP experts whose local K (w2: the intermediate size over tp) is not a multiple of 64 cannot be
+    processed: the E8M0 scales are paired per 64 of K (w4a8_mxfp4.py: ``reshape(g, n, k // 2, 2)``); then
+    what was loaded is read (``mx_loaded_experts``) and the refusal checked."""
+    if kind == "moe":
+        E, I, R = spec.text.num_experts, spec.text.moe_intermediate_size // layer.tp_size, spec.text.latent_size
+        method.create_weights(layer, num_experts=E, hidden_size=R, intermediate_size_per_partition=I,
+                              params_dtype=torch.bfloat16)
+        _load_moe(layer, prefix, E, ckpt)
+        loaded = mx_loaded_experts(layer, I) if qtype == "W4A8_MXFP" else None
+        if loaded is not None and I % 64:
+            with pytest.raises(RuntimeError, match="is invalid for input of size"):
+                method.process_weights_after_loading(layer)
+            return loaded, None
+        method.process_weights_after_loading(layer)
+        experts, bias = moe_weights(qtype, layer, I)
+        for got, want in zip(experts, loaded or ()):  # processing relays out, never changes a value
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), prefix
+        return experts, bias
+    K = ckpt[f"{parts[0]}.weight"].shape[1] * (2 if qtype == "W4A8_MXFP" else 1)
+    _create_linear(method, layer, K, [ckpt[f"{p}.weight"].shape[0] for p in parts])
+    _load_linear(layer, parts, ckpt)
+    method.process_weights_after_loading(layer)
+    return linear_weight(qtype, layer), None
+
+
+# -- tensor parallelism: each rank's piece of the whole ----------------------------------------------------
+TP = 2
+
+
+def roll_intermediate(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our tensors of the same model with every MoE intermediate channel index (routed and shared experts)
+    rolled by half: gate/up rows (dim 0) and down's K (dim 1) move together, with their scales, packed bytes,
+    MX blocks and scale_bias K-chunks (each rolled by half its size along that dim), which changes no output.
+    The tiny fixture's experts use the first half of their intermediate size only (the rest is exactly
+    zero), so at tp=2 rank 1's expert pieces are zeros; rolled, rank 1 holds the data and rank 0 the zeros."""
+    out = {}
+    for name, t in ckpt.items():
+        m = re.search(r"experts\.(?:\d+\.)?(w1|w3|w2|gate_proj|up_proj|down_proj)\.", name)
+        d = 1 if m and m.group(1) in ("w2", "down_proj") else 0
+        out[name] = t.roll(t.shape[d] // 2, d) if m and t.dim() > d else t
+    return out
+
+
+def join_linear(pieces: list[torch.Tensor], split: str, sizes: list[int]) -> torch.Tensor:
+    """The [N, K] weight of all ranks from each rank's piece: "K" (row-parallel) side by side; "N" (column-
+    parallel) each fused part's rank slices in turn (rank r holds rows [r*s/tp, (r+1)*s/tp) of a part of
+    s rows, the parts back to back); "replicated": every rank the same whole."""
+    if split == "K":
+        return torch.cat(pieces, 1)
+    if split == "replicated":
+        assert all(torch.equal(p, pieces[0]) for p in pieces), "replicated layer differs between ranks"
+        return pieces[0]
+    cut = [p.split([s // len(pieces) for s in sizes]) for p in pieces]
+    return torch.cat([torch.cat([c[i] for c in cut]) for i in range(len(sizes))])
+
+
+def join_experts(pieces: list[list[tuple]]) -> list[tuple]:
+    """Per expert (gate, up, down) of all ranks: gate/up column-parallel (rows), down row-parallel (K)."""
+    return [(torch.cat([p[e][0] for p in pieces]), torch.cat([p[e][1] for p in pieces]),
+             torch.cat([p[e][2] for p in pieces], 1)) for e in range(len(pieces[0]))]
+
+
+def check_int4_bias(pieces: list, whole: list, I: int, down: bool = True) -> None:
+    """The A8W4 kernel's bias (8 * sum_k w[n, k]) per rank, from its slice of our scale_bias: w13's, of
+    the rank's gate/up rows, is that slice of the whole; w2's covers the rank's K-range only, so that the
+    all-reduce of the row-parallel partial outputs adds the whole bias once: summed over ranks it is the
+    whole. ``pieces``: per rank [(w13 got, want), (w2 got, want)] (``moe_weights``); ``down``: check w2's."""
+    (w13, _), (w2, _) = whole
+    for (g13, want13), (g2, want2) in pieces:  # each rank's bias is that of its own weights
+        torch.testing.assert_close(g13, want13, rtol=1e-5, atol=1e-6 * float(want13.abs().max()))
+        if down:
+            torch.testing.assert_close(g2, want2, rtol=1e-5, atol=1e-6 * float(want2.abs().max()))
+    halves = [torch.cat([p[0][0][:, h * (I // TP):(h + 1) * (I // TP)] for p in pieces], 1) for h in (0, 1)]
+    assert torch.equal(torch.cat(halves, 1), w13), "w13 bias: the ranks' slices are not the whole"
+    if down:
+        total = sum(p[1][0] for p in pieces)
+        torch.testing.assert_close(total, w2, rtol=1e-5, atol=1e-6 * float(w2.abs().max()))
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -338,14 +462,9 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
             "W4A8_MXFP": "AscendW4A8MXFPDynamicLinearMethod AscendW4A8MXFPDynamicFusedMoEMethod",
             "W4A8_DYNAMIC": "AscendW4A8DynamicFusedMoEMethod"}[qtype].split(), (prefix, method.quant_method)
         if kind == "moe":
-            E, I, R = spec.text.num_experts, spec.text.moe_intermediate_size, spec.text.latent_size
             if qtype == "W4A8_DYNAMIC":  # the loader's per-group path exactly when the description says so
                 assert method.quant_method.is_per_channel_weight == (desc["group_size"] == 0), prefix
-            method.create_weights(layer, num_experts=E, hidden_size=R, intermediate_size_per_partition=I,
-                                  params_dtype=torch.bfloat16)
-            _load_moe(layer, prefix, E, ckpt)
-            method.process_weights_after_loading(layer)
-            experts, bias = moe_weights(qtype, layer, I)
+            experts, bias = load_and_read(method, layer, kind, qtype, prefix, parts, ckpt, spec)
             for e, ws in enumerate(experts):
                 for w, name in zip(ws, ("w1", "w3", "w2")):
                     full = f"{prefix}.{e}.{name}"
@@ -356,12 +475,7 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
             for got, want in bias or ():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
         else:
-            K = ckpt[f"{parts[0]}.weight"].shape[1] * (2 if qtype == "W4A8_MXFP" else 1)
-            sizes = [src[f"{p}.weight"].shape[0] for p in parts]
-            _create_linear(method, layer, K, sizes)
-            _load_linear(layer, parts, ckpt)
-            method.process_weights_after_loading(layer)
-            w = linear_weight(qtype, layer)
+            w, _ = load_and_read(method, layer, kind, qtype, prefix, parts, ckpt, spec)
             ref = torch.cat([src[f"{p}.weight"].float() for p in parts])
             ours = torch.cat([_ours(qtype, ckpt, p) for p in parts])
             # W8A8_DYNAMIC: the loader keeps weight_scale in the model dtype (BF16), a 2^-9 relative rounding
@@ -424,3 +538,68 @@ def test_what_used_to_fail_still_fails_in_the_real_loader(va, converted, tiny):
         _create_linear(method, layer, 32, [64])
         with pytest.raises(RuntimeError):
             method.process_weights_after_loading(layer)
+
+
+# the layers of SGLang's K3 layout that both K3 models build tensor-parallel (the rest are replicated:
+# MLA q_a/kv_a, KDA f_a, the latent routed_expert_* projections; lm_head is unquantized)
+COLUMN_PARALLEL = {"fused_qkvg_proj", "b_proj", "f_b_proj", "q_b_proj", "kv_b_proj", "g_proj", "gate_up_proj"}
+
+
+TP2_PER_GROUP_W2_SCALE = (
+    "vLLM-Ascend 0.23.0.post1, per-group W4A8_DYNAMIC experts at tp>1: AscendFusedMoEMethod.create_weights marks "
+    "w2_weight_scale / w2_weight_offset quant_method 'group' when group_size > 0 (quantization/method_adapters.py:"
+    "234-247), though they are per output channel, [E, hidden, 1] (quantization/methods/w4a8.py:461-462); vLLM's "
+    "FusedMoE._load_w2 then narrows their last dim (size 1) at tp_rank * 1 as if it were K: rank 1 fails "
+    "('start (1) + length (1) exceeds dimension size (1)'). Our [N, 1] per-channel scale is what 0.23 loads at tp=1; "
+    "0.30 refuses per-group experts at any tp")
+
+
+@pytest.mark.parametrize("roll", [False, True], ids=["as-written", "intermediate-rolled"])
+def test_tp2_ranks_pieces_make_the_whole(va, converted, tiny, request, roll):
+    """At tensor-parallel size 2 (no EP: each expert split across both ranks), each rank builds its layers
+    (``get_tensor_model_parallel_world_size/rank``, the layers' ``tp_size/tp_rank``), loads its slice of
+    our tensors through vLLM's loaders (and vLLM-Ascend's where it has its own), processes it; the ranks'
+    pieces, put together along the split dim, are what tp=1 reads: exactly, and what we wrote."""
+    target, out = converted
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    ckpt = _read_all(out, "quant_model_weights.safetensors.index.json")
+    ckpt = roll_intermediate(ckpt) if roll else ckpt
+    config = json.loads((tiny / "config.json").read_text())
+    spec, act = spec_from_config(config), config["text_config"]["hidden_act"]
+    I = spec.text.moe_intermediate_size
+    if target == "a3" and desc["group_size"] and va.expect["per_group_w4a8_moe"]:
+        request.applymarker(pytest.mark.xfail(strict=True, raises=RuntimeError, reason=TP2_PER_GROUP_W2_SCALE))
+    seen: dict[str, int] = {}
+    for kind, prefix, parts in model_layers(spec, "sglang"):
+        if kind not in ("moe", "row") and prefix.rsplit(".", 1)[-1] not in COLUMN_PARALLEL:
+            continue
+        qtype = desc[f"{(prefix if kind == 'moe' else parts[0])}.weight"]
+        if qtype == "FLOAT" or (qtype == "W4A8_DYNAMIC" and desc["group_size"] and not va.expect["per_group_w4a8_moe"]):
+            continue  # unquantized; per-group int4 experts this version refuses (checked above)
+        reads = []
+        for tp, rank in [(1, 0)] + [(TP, r) for r in range(TP)]:
+            cfg = _config(va, desc, "sglang", tp, rank)
+            layer = _layer(va, kind, prefix, act)
+            reads.append(load_and_read(cfg.get_quant_method(layer, prefix), layer, kind, qtype, prefix, parts, ckpt, spec))
+        (whole, whole_bias), pieces = reads[0], reads[1:]
+        if kind == "moe":
+            joined = join_experts([w for w, _ in pieces])
+            for e, (ws, ref) in enumerate(zip(joined, whole)):
+                for w, r, name in zip(ws, ref, ("w1", "w3", "w2")):
+                    ours = _ours(qtype, ckpt, f"{prefix}.{e}.{name}", desc["group_size"])
+                    assert torch.equal(w, r) and torch.equal(w, ours), f"{prefix}.{e}.{name}: tp=2 pieces differ"
+            if whole_bias:
+                check_int4_bias([b for _, b in pieces], whole_bias, I)
+        else:
+            sizes = [ckpt[f"{p}.weight"].shape[0] for p in parts]
+            w = join_linear([w for w, _ in pieces], "K" if kind == "row" else "N", sizes)
+            ours = torch.cat([_ours(qtype, ckpt, p) for p in parts])
+            tol = 2 ** -8 if qtype == "W8A8_DYNAMIC" else 0  # the BF16 weight_scale, as at tp=1
+            assert torch.equal(w, whole) and _rel(w, ours) <= tol, f"{prefix}: tp=2 pieces differ ({_rel(w, ours):.2e})"
+        seen[f"{qtype} {kind}"] = seen.get(f"{qtype} {kind}", 0) + 1
+    want = {"a3": {"W4A8_DYNAMIC moe", "W8A8_DYNAMIC row", "W8A8_DYNAMIC linear"},
+            "950dt": {"W4A8_MXFP moe", "W4A8_MXFP row", "W4A8_MXFP linear", "W8A8_MXFP8 row", "W8A8_MXFP8 linear"}}
+    if target == "a3" and desc["group_size"] and not va.expect["per_group_w4a8_moe"]:
+        want["a3"].discard("W4A8_DYNAMIC moe")
+    assert set(seen) == want[target], seen
+    print(f"{va.version} {target} tp={TP}: layers checked {seen}")

@@ -105,15 +105,17 @@ def _module(name: str, **attrs) -> types.ModuleType:
 
 # -- the vllm names the quantization path relies on, with the behaviour it relies on ----------------------
 class LinearBase(torch.nn.Module):
-    tp_rank, tp_size = 0, 1  # one device
+    disable_tp = False  # vLLM's ``disable_tp``: True for a replicated layer
 
     def __init__(self, prefix: str = ""):
         super().__init__()
         self.prefix = prefix
+        # vLLM's LinearBase: this rank of the tensor-parallel group (``set_current_vllm_config``)
+        self.tp_rank, self.tp_size = (0, 1) if self.disable_tp else (_CURRENT.tp_rank, _CURRENT.tp_size)
 
 
 class ReplicatedLinear(LinearBase):
-    pass
+    disable_tp = True
 
 
 class ColumnParallelLinear(LinearBase):
@@ -136,8 +138,10 @@ class FusedMoE(torch.nn.Module):
         self.prefix = prefix
         self.moe_config = moe_config
         self.activation = activation  # the model's hidden_act (K3: "situ"; 0.30 reads it after loading)
+        # no expert parallelism: every rank holds every expert, each split along the intermediate size
+        self.tp_rank, self.tp_size = _CURRENT.tp_rank, _CURRENT.tp_size
 
-    def weight_loader(self, *args, **kwargs):  # 0.30 wraps it; the test loads as the tp=1 loader does
+    def weight_loader(self, *args, **kwargs):  # 0.30 wraps it; the test loads as vLLM's loader does
         raise AssertionError("the test loads MoE weights itself")
 
 
@@ -207,16 +211,20 @@ class _OnceLogger(logging.LoggerAdapter):
     debug_once = logging.LoggerAdapter.debug
 
 
-_CURRENT = SimpleNamespace(config=None)
+_CURRENT = SimpleNamespace(config=None, tp_size=1, tp_rank=0)
 
 
-def set_current_vllm_config(quant_config, model_type: str) -> None:
-    """What ``get_current_vllm_config()`` returns while a layer is built: tp=1, eager, no EP."""
+def set_current_vllm_config(quant_config, model_type: str, tp_size: int = 1, tp_rank: int = 0) -> None:
+    """What ``get_current_vllm_config()`` returns while a layer is built: eager, no EP, rank ``tp_rank`` of
+    ``tp_size`` (also what ``get_tensor_model_parallel_world_size/rank`` and the layers' ``tp_size/tp_rank``
+    say)."""
+    _CURRENT.tp_size, _CURRENT.tp_rank = tp_size, tp_rank
     _CURRENT.config = SimpleNamespace(
         quant_config=quant_config,
         model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type=model_type), enforce_eager=True,
                                      dtype=torch.bfloat16, use_mla=False),
-        parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=1, enable_eplb=False),
+        parallel_config=SimpleNamespace(enable_expert_parallel=False, tensor_parallel_size=tp_size,
+                                        enable_eplb=False),
         compilation_config=SimpleNamespace(mode=0),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         kv_transfer_config=None,
@@ -291,8 +299,8 @@ def import_vllm_ascend(src: Path, device_type: str = "A3") -> SimpleNamespace:
     _module("vllm.model_executor.utils", set_weight_attrs=set_weight_attrs)
     _module("vllm.model_executor.parameter", PerTensorScaleParameter=PerTensorScaleParameter)
     _module("vllm.utils.math_utils", cdiv=lambda a, b: -(-a // b))
-    _module("vllm.distributed", get_tensor_model_parallel_world_size=lambda: 1,
-            get_tensor_model_parallel_rank=lambda: 0, get_ep_group=lambda: _Placeholder(),
+    _module("vllm.distributed", get_tensor_model_parallel_world_size=lambda: _CURRENT.tp_size,
+            get_tensor_model_parallel_rank=lambda: _CURRENT.tp_rank, get_ep_group=lambda: _Placeholder(),
             get_tp_group=lambda: _Placeholder(), divide=lambda a, b: a // b)
     sys.path.insert(0, str(src))
     # written by the sdist's build (which we skip): the device family it was built for
