@@ -87,7 +87,10 @@ def test_publish_uploads_verified_output_with_card(hub, output):
     assert "kimi_quant_journal.jsonl" not in remote
     card = remote["README.md"].decode()
     assert "vllm serve" in card and "--quantization ascend" in card
-    assert "sglang.launch_server" in card and "--quantization modelslim" in card
+    assert "sglang.launch_server" in card and "--quantization modelslim" in card and "--ep-size 16" in card
+    from kimi_quant.plan import SGLANG_MOE_TP
+
+    assert SGLANG_MOE_TP in card  # a3: int4 experts, which SGLang misreads at moe-tp > 1
     assert "a3" in card and "perplexity" in card and "kimi-k3-default" in card
     assert remote["SOURCE_README.md"] == before["SOURCE_README.md"]  # the source card kept, not overwritten
     assert before["SOURCE_README.md"].startswith(b"# Synthetic")  # convert copied it under that name

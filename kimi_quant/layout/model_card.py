@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS
+from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP
 from .ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 
 CARD = "README.md"
@@ -160,9 +160,11 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
               "## Serving with SGLang", "",
               "```bash",
               "python -m sglang.launch_server --model-path ./model --device npu --quantization modelslim \\",
-              f"    --tp-size {tp} --trust-remote-code",
+              f"    --tp-size {tp} --ep-size {tp} --trust-remote-code",
               "```", "",
-              "SGLang also finds `quant_model_description.json` by itself and picks its ModelSlim loader.", "",
+              "SGLang also finds `quant_model_description.json` by itself and picks its ModelSlim loader."
+              + (" Keep the experts on expert parallelism (`--ep-size` = `--tp-size`, so each expert stays whole "
+                 "on one device): " + SGLANG_MOE_TP if "W4A8_DYNAMIC" in types else ""), "",
               f"kimi-quant's tests load this layout through the loaders' own code: {CHECKED_LOADERS}"
               + (" (with the per-group caveat above)." if _per_group(desc, types) else "."), "",
               "## Provenance", "",
