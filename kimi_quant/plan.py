@@ -72,10 +72,10 @@ CHECKED_LOADERS = "vLLM-Ascend 0.23.0.post1 and 0.30.0rc2, SGLang 0.5.23"
 #: What SGLang (0.5.23) gets wrong when one expert's matrices are split across devices (moe-tp > 1, i.e.
 #: --ep-size below --tp-size), run in tests/test_consumer_sglang.py: ModelSlimW4A8Int8MoE is built
 #: without tp_size, so every rank loads the whole int4 down_proj scale_bias and adds it to its partial sum.
-SGLANG_MOE_TP = ("at moe-tp > 1 SGLang 0.5.23 adds the whole int4 down_proj bias on every device, so a3 "
-                 "experts come out wrong; with expert parallelism they load as written.")
-PER_GROUP_LOADERS = ("vLLM-Ascend 0.23.x loads per-group int4 experts (with expert parallelism; at moe-tp > 1 "
-                     "its loader fails on them); from 0.27.1rc1 on it refuses them "
+SGLANG_MOE_TP = ("with --ep-size below --tp-size SGLang 0.5.23 adds the whole int4 down_proj bias on every "
+                 "device, so a3 experts come out wrong; with --ep-size equal to --tp-size they load as written.")
+PER_GROUP_LOADERS = ("vLLM-Ascend 0.23.x loads per-group int4 experts (with --enable-expert-parallel; without "
+                     "it, at tp > 1, its loader fails on them); from 0.27.1rc1 on it refuses them "
                      "(per channel only); SGLang (0.5.23) loads them without a word but drops the group scales, "
                      "so its experts come out wrong")
 

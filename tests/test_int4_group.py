@@ -249,8 +249,8 @@ def test_plan_refuses_what_the_loader_cannot_read(tiny_source):
     r = kq("plan", tiny_source, "-t", "a3", "--group-size", "32")
     assert r.returncode == 0, r.stderr
     # read in vLLM-Ascend's code: 0.27.1rc1+ raises at init on group_size > 0 (tests/test_consumer_vllm_ascend.py)
-    assert "loaders  vLLM-Ascend 0.23.x loads per-group int4 experts (with expert parallelism; at moe-tp > 1 " \
-           "its loader fails on them); from 0.27.1rc1 on it refuses them" in r.stdout
+    assert "loaders  vLLM-Ascend 0.23.x loads per-group int4 experts (with --enable-expert-parallel; without " \
+           "it, at tp > 1, its loader fails on them); from 0.27.1rc1 on it refuses them" in r.stdout
     # and SGLang 0.5.23 drops the group scales without a word (tests/test_consumer_sglang.py, the xfail)
     assert "SGLang (0.5.23) loads them without a word but drops the group scales" in r.stdout
     assert "int4 per group of 32" in r.stdout.splitlines()[0]
@@ -277,7 +277,7 @@ def grouped(tiny_source, tmp_path_factory):
     r = kq("convert", tiny_source, "-t", "a3", "--group-size", "32", "-o", out, "-q", "--max-shard-size", "500KB")
     assert r.returncode == 0, r.stderr
     # said before the work, even with -q: the newer loaders refuse what this writes
-    assert "warning: --group-size 32: vLLM-Ascend 0.23.x loads per-group int4 experts (with expert parallelism" \
+    assert "warning: --group-size 32: vLLM-Ascend 0.23.x loads per-group int4 experts (with --enable-expert-" \
            in r.stderr.splitlines()[0] and "from 0.27.1rc1 on it refuses them" in r.stderr.splitlines()[0], r.stderr
     assert "SGLang (0.5.23)" in r.stderr.splitlines()[0] and "what all of them load" in r.stderr.splitlines()[0]
     return out
