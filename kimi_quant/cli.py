@@ -21,6 +21,7 @@ import click
 
 from . import __version__
 from .errors import KimiQuantError, ValidationFailed
+from .progress import fmt_duration
 from .executor.fork_server import default_workers, fork_workers_here, start_fork_server
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -263,18 +264,6 @@ def _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
 
 
 # -- plan ---------------------------------------------------------------------------------------
-def _duration(s: float) -> str:
-    """3 s, 4 min, 2 h 05 min, 3 d 04 h: as precise as an estimate deserves."""
-    s = max(0.0, s)
-    if s < 90:
-        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s" if s >= 0.1 else "< 0.1 s"
-    if s < 3600:
-        return f"{s / 60:.0f} min"
-    if s < 86400:
-        return f"{int(s // 3600)} h {int(s % 3600 // 60):02d} min"
-    return f"{int(s // 86400)} d {int(s % 86400 // 3600):02d} h"
-
-
 def _local_source(source: str) -> bool:
     return Path(source).expanduser().exists()
 
@@ -397,7 +386,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
 def _calibrate_lines(e: dict, cal, workers: int) -> list[str]:
     """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
     def dur(h: float) -> str:
-        return _duration(h * 3600)
+        return fmt_duration(h * 3600)
 
     return [f"calibrate ~{dur(e['hours'])} on {workers} cores ({dur(e['core_hours'])} of one core: forward "
             f"{dur(e['forward_core_h'])}, Hessians {dur(e['hessian_core_h'])}, GPTQ {dur(e['gptq_core_h'])}; "
@@ -449,19 +438,19 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
     if "wall_seconds" in job:
         who = (_count(job['parallel'], 'local worker') if job["executor"] == "local"
                else f"{job['parallel']} Ray workers, each as fast as one core here")
-        lines.append(f"time     ~{_duration(job['wall_seconds'])} on {who} ({_duration(job['core_seconds'])} of "
+        lines.append(f"time     ~{fmt_duration(job['wall_seconds'])} on {who} ({fmt_duration(job['core_seconds'])} of "
                      f"one core at this machine's codec rates, ~{job['rate_gbps']:.2f} GB/s)")
         if job.get("compile_seconds"):
-            lines.append(f"         + ~{_duration(job['compile_seconds'])} compiling the kernels (first run only)")
+            lines.append(f"         + ~{fmt_duration(job['compile_seconds'])} compiling the kernels (first run only)")
         if job.get("calibrate_seconds"):
-            lines.append(f"         incl. ~{_duration(job['calibrate_seconds'])} for --calibrate")
+            lines.append(f"         incl. ~{fmt_duration(job['calibrate_seconds'])} for --calibrate")
         if job["download_bytes"] and job.get("link_gbps"):
             limit = "the link is the limit" if job["limit"] == "download" else "converting is the limit"
             lines.append(f"         downloading {_gb(job['download_bytes'])} at {job['link_gbps']:g} GB/s overlaps "
                          f"with converting: {limit}")
         elif job["download_bytes"]:
             lines.append(f"         + downloading {_gb(job['download_bytes'])}, overlapped with converting "
-                         f"(alone at 1 GB/s: {_duration(job['download_bytes'] / 1e9)}; --link-gbps counts it)")
+                         f"(alone at 1 GB/s: {fmt_duration(job['download_bytes'] / 1e9)}; --link-gbps counts it)")
     kernels = job.get("kernels") or {}
     if kernels.get("build") == "jit" and job["executor"] == "local":
         lines.append(f"kernels  numba's JIT (same bytes, ~0.7 s more start-up per run): the compiled kernels are "

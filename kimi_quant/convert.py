@@ -27,6 +27,7 @@ from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDA
 from .layout.model_card import CARD
 from .model.spec import load_model_spec_from_source
 from .plan import DEFAULT_MAX_SHARD_SIZE, PER_GROUP_LOADERS, Plan, make_plan
+from .progress import NoBar, progress_bar
 from .recipe import load_recipe
 from .source import Source, open_source
 from .targets import resolve_target
@@ -353,16 +354,7 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
 
     _check_window(getattr(source, "max_disk", None), todo, entries)
     total = sum(u.in_bytes for u in todo)
-    if opts.quiet or total == 0:
-        bar = _NoBar(total)
-    else:
-        from tqdm import tqdm
-
-        # no monitor thread: it can outlive the bar, and a process with a second thread forks no workers
-        # for its next convert() (fork_server.fork_workers_here: they come from a fork server instead)
-        tqdm.monitor_interval = 0
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"convert {plan.target}",
-                   dynamic_ncols=True, smoothing=0.1)
+    bar = NoBar(total) if opts.quiet or total == 0 else progress_bar(total, f"convert {plan.target}", smoothing=0.1)
     waiting = None
     try:  # the bar is closed whatever happens (a Ctrl-C anywhere); on failure convert() aborts the executor
         waiting = _WaitingBar(bar, executor, staging=bool(getattr(source, "can_stage", None)))
@@ -397,22 +389,6 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
     return ConvertResult(plan, out_dir, end - t0, len(todo), len(done), sum(u.in_bytes for u in todo),
                          getattr(source, "peak_staged_bytes", None),
                          startup_seconds=(ready - t0) if ready is not None and t0 <= ready <= end else None)
-
-
-class _NoBar:
-    """A quiet run's bar: it counts and shows nothing, and spares importing tqdm (~30 ms of a run's
-    start-up, while the driver alone works)."""
-
-    disable = True
-
-    def __init__(self, total: int):
-        self.total, self.n = total, 0
-
-    def update(self, n: int) -> None:
-        self.n += n
-
-    def close(self) -> None:
-        pass
 
 
 class _WaitingBar:
@@ -450,7 +426,8 @@ class _WaitingBar:
         self._stop.set()
         if self.bar.postfix:
             self.bar.set_postfix_str("", refresh=False)
-        if self.bar.n == 0:
-            # The rate counts from the first progress on (not the start, nor the kernels being ready): the
-            # first tensor's latency (opening shards, a small first tensor) would make the first ETA absurd.
+        if self.bar.n == 0 and hasattr(self.bar, "last_print_t"):
+            # tqdm's rate counts from here, the first progress (not the start, nor the kernels being ready):
+            # the first tensor's latency (opening shards, a small first tensor) would make the first ETA
+            # absurd. A LogBar keeps its own clock.
             self.bar.last_print_t = self.bar._time()

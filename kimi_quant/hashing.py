@@ -57,11 +57,10 @@ def sha256_files(paths: list[Path], desc: str | None = None, quiet: bool = False
     (with ETA) unless ``quiet`` or there is under ~1 GB to hash."""
     if not paths:
         return []
-    from tqdm import tqdm
+    from .progress import NoBar, progress_bar
 
     total = sum(os.path.getsize(p) for p in paths)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=desc, dynamic_ncols=True,
-               disable=quiet or desc is None or total < 1 << 30)
+    bar = NoBar(total) if quiet or desc is None or total < 1 << 30 else progress_bar(total, desc)
     lock = threading.Lock()
 
     def advance(n: int) -> None:

@@ -341,7 +341,7 @@ def _chunks(items: list, n: int) -> list[list]:
 @torch.inference_mode()
 def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Path, journal, opts, t0: float):
     from ..convert import ConvertResult, _finish, _resume
-    from tqdm import tqdm
+    from ..progress import NoBar, progress_bar
 
     cfg: CalibConfig = opts.calibrate
     spec = load_model_spec_from_source(source, recipe_given=True)
@@ -356,8 +356,8 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     quant = _Quantizer(cfg)
     layers_done = 0
     total = sum(u.in_bytes for u in r.todo)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=f"calibrate {plan.target}",
-               disable=opts.quiet or total == 0, dynamic_ncols=True, smoothing=0.1)
+    bar = (NoBar(total) if opts.quiet or total == 0 else
+           progress_bar(total, f"calibrate {plan.target}", smoothing=0.1))
     weights = _SourceWeights(source, spec)
     try:
         if r.todo:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP
+from ..progress import fmt_bytes
 from .ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 
 CARD = "README.md"
@@ -31,14 +32,6 @@ def read_json(path: Path) -> dict | None:
         return data if isinstance(data, dict) else None
     except (OSError, ValueError, RecursionError):
         return None
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def is_ours(path: Path) -> bool:

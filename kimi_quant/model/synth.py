@@ -151,10 +151,9 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
     total = 0
     bar = None
     if progress:
-        from tqdm import tqdm
+        from ..progress import progress_bar
 
-        bar = tqdm(total=sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values()),
-                   unit="B", unit_scale=True, desc=f"synth {preset}")
+        bar = progress_bar(sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values()), f"synth {preset}")
     try:
         for i, names in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"

@@ -34,7 +34,8 @@ from ..errors import KimiQuantError
 from ..hashing import sha256_file
 from ..journal import JOURNAL
 from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
-from ..layout.model_card import CARD, SOURCE_README, fmt_bytes as _fmt_bytes, is_ours, model_card as _card
+from ..layout.model_card import CARD, SOURCE_README, is_ours, model_card as _card
+from ..progress import fmt_bytes
 from ..layout.model_card import read_json as _read_json
 from ..source.hub import retry_after
 from ..untrusted import inside
@@ -268,7 +269,7 @@ def _upload(api, repo_id: str, branch: str, plan: _Plan, message: str, say):
 
     adds = []
     for chunk in _chunks([i for i in plan.todo if i.lfs]):
-        say(f"uploading {len(chunk)} file(s), {_fmt_bytes(sum(i.size for i in chunk))}: "
+        say(f"uploading {len(chunk)} file(s), {fmt_bytes(sum(i.size for i in chunk))}: "
             f"{_names([i.path_in_repo for i in chunk])}")
         ops = [_add(i) for i in chunk]
         _attempt(lambda: api.preupload_lfs_files(repo_id, ops, revision=branch), repo_id, "upload")
