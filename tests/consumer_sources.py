@@ -87,44 +87,48 @@ def fetch(pin: PinnedFile) -> Path:
     return dest
 
 
-def vllm_ascend_source(pin: PinnedFile = VLLM_ASCEND) -> Path:
-    """Directory holding the ``vllm_ascend`` package of a pinned sdist (its .py files only)."""
-    root = cache_dir() / f"vllm_ascend-{pin.version}"
+def _unpacked(pin: PinnedFile, name: str, extract) -> Path:
+    """``cache_dir()/name``, where ``extract(archive, root)`` unpacked the pinned file once; a marker holding
+    the pin's sha256 says it is complete (a crash midway unpacks again)."""
+    root = cache_dir() / name
     marker = root / ".kimi-quant-unpacked"
     if marker.exists() and marker.read_text() == pin.sha256:
         return root
-    archive = fetch(pin)
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers()
-                   if m.isfile() and m.name.endswith(".py") and "/vllm_ascend/" in f"/{m.name}"]
-        tar.extractall(cache_dir(), members=members, filter="data")  # "data": no links, no paths outside
+    extract(fetch(pin), root)
     marker.write_text(pin.sha256)
     return root
+
+
+def vllm_ascend_source(pin: PinnedFile = VLLM_ASCEND) -> Path:
+    """Directory holding the ``vllm_ascend`` package of a pinned sdist (its .py files only)."""
+    def extract(archive: Path, root: Path) -> None:
+        with tarfile.open(archive) as tar:
+            members = [m for m in tar.getmembers()
+                       if m.isfile() and m.name.endswith(".py") and "/vllm_ascend/" in f"/{m.name}"]
+            tar.extractall(cache_dir(), members=members, filter="data")  # "data": no links, no paths outside
+
+    return _unpacked(pin, f"vllm_ascend-{pin.version}", extract)
 
 
 def sglang_source(pin: PinnedFile = SGLANG) -> Path:
     """Directory holding the ``sglang`` package of the pinned wheel (its .py files only, never installed)."""
-    root = cache_dir() / f"sglang-{pin.version}"
-    marker = root / ".kimi-quant-unpacked"
-    if marker.exists() and marker.read_text() == pin.sha256:
-        return root
-    archive = fetch(pin)
-    with zipfile.ZipFile(archive) as z:
-        for info in z.infolist():
-            name = info.filename
-            parts = name.split("/")
-            if info.is_dir() or not name.endswith(".py") or parts[0] != "sglang":
-                continue
-            # zip entries are plain names: refuse absolute ones, "..", backslashes and symlinks (mode in the
-            # upper 16 bits of external_attr, as unix zips record it)
-            is_link = (info.external_attr >> 16) & 0o170000 == 0o120000
-            if name.startswith("/") or "\\" in name or ".." in parts or is_link:
-                raise Unavailable(f"{pin.filename}: unsafe member {name!r}")
-            dest = root.joinpath(*parts)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(z.read(info))
-    marker.write_text(pin.sha256)
-    return root
+    def extract(archive: Path, root: Path) -> None:
+        with zipfile.ZipFile(archive) as z:
+            for info in z.infolist():
+                name = info.filename
+                parts = name.split("/")
+                if info.is_dir() or not name.endswith(".py") or parts[0] != "sglang":
+                    continue
+                # zip entries are plain names: refuse absolute ones, "..", backslashes and symlinks (mode in the
+                # upper 16 bits of external_attr, as unix zips record it)
+                is_link = (info.external_attr >> 16) & 0o170000 == 0o120000
+                if name.startswith("/") or "\\" in name or ".." in parts or is_link:
+                    raise Unavailable(f"{pin.filename}: unsafe member {name!r}")
+                dest = root.joinpath(*parts)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(z.read(info))
+
+    return _unpacked(pin, f"sglang-{pin.version}", extract)
 
 
 def msmodelslim_wheel() -> Path:

@@ -83,12 +83,7 @@ class _Placeholder(_vs._Placeholder, metaclass=_PlaceholderMeta):
 
 
 class _StubModule(_vs._StubModule):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = type(name, (_Placeholder,), {"__module__": self.__name__})
-        setattr(self, name, value)
-        return value
+    placeholder = _Placeholder
 
 
 #: stood in whatever is installed (first on ``sys.meta_path``)
@@ -101,7 +96,9 @@ SGLANG_STUBBED = ("sglang.srt.entrypoints", "sglang.srt.constrained", "sglang.sr
                   "sglang.srt.function_call", "sglang.kernels.jit")
 
 
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _StubFinder(_vs._StubFinder):
+    """``vllm_ascend_stubs``' finder, for these packages and parts of SGLang, making this file's modules."""
+
     def find_spec(self, fullname, path=None, target=None):
         if any(fullname == p or fullname.startswith(p + ".") for p in STUBBED + SGLANG_STUBBED):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
@@ -109,9 +106,6 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         return _StubModule(spec.name)
-
-    def exec_module(self, module):
-        pass
 
 
 class _Struct:

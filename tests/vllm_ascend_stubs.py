@@ -64,6 +64,8 @@ class _Placeholder(metaclass=_PlaceholderMeta):
 
 
 class _StubModule(types.ModuleType):
+    placeholder = _Placeholder  # what a missing name becomes (a subclass of it)
+
     def __init__(self, name):
         super().__init__(name)
         self.__path__ = []  # a package: submodules resolve too
@@ -72,7 +74,7 @@ class _StubModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        value = type(name, (_Placeholder,), {"__module__": self.__name__})
+        value = type(name, (self.placeholder,), {"__module__": self.__name__})
         setattr(self, name, value)
         return value
 
