@@ -21,8 +21,8 @@ import click
 
 from . import __version__
 from .errors import KimiQuantError, ValidationFailed
-from .progress import fmt_duration
 from .executor.fork_server import default_workers, fork_workers_here, start_fork_server
+from .progress import fmt_duration
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .cache import cache_dir, cpu_key
+from .cache import cache_dir, cpu_id, cpu_key
 from .plan import Plan
 from .recipe.recipe import FLOAT
 
@@ -50,13 +50,9 @@ COMPILE_S = 20.0
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU's model name (for people: ``cpu_key`` is what the stored rates are checked against)."""
+    names = [ln.split(":", 1)[1].strip() for ln in cpu_id().splitlines() if ln.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 @dataclass

@@ -64,16 +64,16 @@ def moe_layer_types(types: dict[str, str]) -> dict[str, str]:
 #: The serving loaders whose own code the conformance tests run on our outputs (tests/consumer_sources.py
 #: pins them; a test keeps this line equal to those pins).
 CHECKED_LOADERS = "vLLM-Ascend 0.23.0.post1 and 0.30.0rc2, SGLang 0.5.23"
-#: Who loads per-group W4A8_DYNAMIC experts (the description's group_size > 0), read in their code and run
-#: in tests/test_consumer_*.py: vLLM-Ascend 0.23.x (the stable line) does; from 0.27.1rc1 on its
-#: AscendW4A8DynamicFusedMoEMethod raises "Per-Group quantization ... no longer supported" at init;
-#: SGLang 0.5.23 builds its W4A8 MoE scheme with group_size=0 and its K3 load_weights skips the
-#: *_second tensors it has no parameter for.
 #: What SGLang (0.5.23) gets wrong when one expert's matrices are split across devices (moe-tp > 1, i.e.
 #: --ep-size below --tp-size), run in tests/test_consumer_sglang.py: ModelSlimW4A8Int8MoE is built
 #: without tp_size, so every rank loads the whole int4 down_proj scale_bias and adds it to its partial sum.
 SGLANG_MOE_TP = ("with --ep-size below --tp-size SGLang 0.5.23 adds the whole int4 down_proj bias on every "
                  "device, so a3 experts come out wrong; with --ep-size equal to --tp-size they load as written.")
+#: Who loads per-group W4A8_DYNAMIC experts (the description's group_size > 0), read in their code and run
+#: in tests/test_consumer_*.py: vLLM-Ascend 0.23.x (the stable line) does; from 0.27.1rc1 on its
+#: AscendW4A8DynamicFusedMoEMethod raises "Per-Group quantization ... no longer supported" at init;
+#: SGLang 0.5.23 builds its W4A8 MoE scheme with group_size=0 and its K3 load_weights skips the
+#: *_second tensors it has no parameter for.
 PER_GROUP_LOADERS = ("vLLM-Ascend 0.23.x loads per-group int4 experts (with --enable-expert-parallel; without "
                      "it, at tp > 1, its loader fails on them); from 0.27.1rc1 on it refuses them "
                      "(per channel only); SGLang (0.5.23) loads them without a word but drops the group scales, "

@@ -35,8 +35,8 @@ from ..hashing import sha256_file
 from ..journal import JOURNAL
 from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
 from ..layout.model_card import CARD, SOURCE_README, is_ours, model_card as _card
-from ..progress import fmt_bytes
 from ..layout.model_card import read_json as _read_json
+from ..progress import fmt_bytes
 from ..source.hub import retry_after
 from ..untrusted import inside
 
