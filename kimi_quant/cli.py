@@ -322,7 +322,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     hub = not _local_source(source)
     src = _open(source, revision, work_dir if hub else None)
     try:
-        p = build_plan(src, target, recipe, overrides, max_shard_size, group_size)
+        p = build_plan(src, target, recipe, overrides, max_shard_size, group_size, calibrated=cal is not None)
         if cal is not None:
             from .model.spec import load_model_spec_from_source
 
@@ -636,12 +636,22 @@ def verify(output, no_rehash):
 @click.option("--shard-size", type=Size(), default="512MiB", show_default=True,
               help=f"bench/full: source shard size ({SIZE_UNITS}).")
 @click.option("--sparse", is_flag=True, help="Headers only, data left as holes: for `plan` without the bytes.")
-def synth(preset, output, overwrite, num_experts, seed, random_weights, shard_size, sparse):
-    """Write a K3.1-shaped BF16 checkpoint with the real tensor names (for tests, demos, benchmarks)."""
+@click.option("--experts", type=click.Choice(["bf16", "mxfp4"]), default="bf16", show_default=True,
+              help="mxfp4: routed experts as Moonshot publishes Kimi K3 (compressed-tensors mxfp4-pack-quantized: "
+                   "E2M1 codes and E8M0 scales), the rest BF16.")
+def synth(preset, output, overwrite, num_experts, seed, random_weights, shard_size, sparse, experts):
+    """Write a K3.1-shaped checkpoint with the real tensor names (for tests, demos, benchmarks): BF16,
+    or with --experts mxfp4 in the layout Kimi K3 is published in.
+
+    \b
+      kimi-quant synth --preset tiny -o tiny-bf16
+      kimi-quant synth --preset tiny --experts mxfp4 -o tiny-released
+      kimi-quant synth --preset full --experts mxfp4 --shard-size 16GiB -o k3-released   # headers only"""
     from .model.synth import synth as run_synth
 
     out = run_synth(preset, output, seed=seed, num_experts=num_experts, shard_size=shard_size,
-                    random_weights=random_weights, progress=True, sparse=sparse, overwrite=overwrite)
+                    random_weights=random_weights, progress=True, sparse=sparse, overwrite=overwrite,
+                    experts=experts)
     click.echo(f"wrote {out}")
 
 

@@ -26,7 +26,7 @@ from .layout.ascend_v1 import (DESCRIPTION, INDEX, OWN_FILES, PROVENANCE, VALIDA
                                provenance, write_metadata_files)
 from .layout.model_card import CARD
 from .model.spec import load_model_spec_from_source
-from .plan import DEFAULT_MAX_SHARD_SIZE, PER_GROUP_LOADERS, Plan, make_plan
+from .plan import DEFAULT_MAX_SHARD_SIZE, PER_GROUP_LOADERS, Plan, check_mxfp4_source_rules, make_plan
 from .progress import NoBar, progress_bar
 from .recipe import load_recipe
 from .source import Source, open_source
@@ -86,11 +86,15 @@ class ConvertResult:
 
 
 def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(), max_shard_size=DEFAULT_MAX_SHARD_SIZE,
-               group_size: int | None = None):
+               group_size: int | None = None, calibrated: bool = False):
+    """The plan of a conversion; refuses one whose rules are known to ship a broken model (``calibrated``:
+    whether GPTQ will quantize, see ``plan.check_mxfp4_source_rules``)."""
     target = resolve_target(target_name)
     spec = load_model_spec_from_source(source, recipe_given=recipe_path is not None)
     recipe = load_recipe(target.name, recipe_path, list(overrides))
-    return make_plan(source, spec, recipe, target, max_shard_size, group_size)
+    plan = make_plan(source, spec, recipe, target, max_shard_size, group_size)
+    check_mxfp4_source_rules(plan, calibrated)
+    return plan
 
 
 def _plan_summary(plan: Plan) -> dict:
@@ -198,7 +202,8 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
         made_dir = not out_dir.exists()
         out_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()  # two runs into one directory would mix their shards (released in finally)
-        plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size, opts.group_size)
+        plan = build_plan(source, target.name, opts.recipe, opts.overrides, opts.max_shard_size, opts.group_size,
+                          calibrated=opts.calibrate is not None)
         will_write = [*map(output_name, files_to_copy(source)), "config.json", CARD]
         if opts.calibrate is not None:
             from .calibrate.run import calibrated_plan, run_calibrated

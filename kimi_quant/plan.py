@@ -22,6 +22,8 @@ from .model.spec import ModelSpec
 from .quant import REGISTRY, get_codec
 from .recipe.recipe import FLOAT, Recipe
 from .source.base import Source
+from .source.safetensors import TensorInfo
+from .source.compressed import MXFP4, find_packed, mxfp4_nbytes
 from .targets import Target
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -103,15 +105,27 @@ class TensorPlan:
     matmul: str | None
     outputs: list[list]  # [output name, dtype, shape] in write order (lists: JSON round-trips)
     group_size: int = 0  # W4A8_DYNAMIC per group (--group-size); 0: per channel, and every other scheme
+    #: a packed source pair (dtype MXFP4): [[codes tensor, its shard], [scales tensor, its shard]]
+    packed: list | None = None
 
     @property
     def codec(self):
         return get_codec(self.scheme, self.group_size)
 
+    @property
+    def files(self) -> list[str]:
+        """The source shards this tensor is read from (a packed pair may straddle two)."""
+        return sorted({self.file, *(f for _, f in self.packed)}) if self.packed else [self.file]
+
+    @property
+    def repack(self) -> bool:
+        """Whether the output is the packed source's own codes and scales (no requantization)."""
+        return bool(self.packed) and get_codec(self.scheme).takes_mxfp4
+
     # cached: the full K3.1 plan asks for these millions of times (packing, summaries); plans are not mutated
     @cached_property
     def in_bytes(self) -> int:
-        return nbytes(self.dtype, self.shape)
+        return mxfp4_nbytes(self.shape) if self.dtype == MXFP4 else nbytes(self.dtype, self.shape)
 
     @cached_property
     def out_bytes(self) -> int:
@@ -123,6 +137,8 @@ class TensorPlan:
              "outputs": [[name, dtype, list(shape)] for name, dtype, shape in self.outputs]}
         if self.group_size:  # only then: per-channel plans keep the fingerprints they always had
             d["group_size"] = self.group_size
+        if self.packed:
+            d["packed"] = [list(p) for p in self.packed]
         return d
 
 
@@ -135,7 +151,7 @@ class UnitPlan:
 
     @property
     def needs(self) -> list[str]:
-        return sorted({t.file for t in self.tensors})
+        return sorted({f for t in self.tensors for f in t.files})
 
     @cached_property
     def in_bytes(self) -> int:
@@ -241,6 +257,24 @@ def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str |
             for suffix, (dt, shp) in get_codec(scheme, group_size).out_specs(tuple(shape), matmul).items()]
 
 
+#: Per-channel data-free int4 of MXFP4 weights: one int4 scale per row cannot follow the 32-blocks' own
+#: exponents, so a row's small blocks round to zero (scripts/bench_quality.py --mxfp4-source measures it).
+MXFP4_PER_CHANNEL_INT4 = ("the source's experts are MXFP4 (a power-of-two scale per 32 weights); per-channel "
+                          "data-free int4 rounds a row's small-scale blocks to zero (~5x perplexity on a real "
+                          "model put on the MXFP4 grid)")
+MXFP4_INT4_OPTIONS = "--calibrate (GPTQ, per channel: every loader reads it) or --group-size 32"
+
+
+def check_mxfp4_source_rules(plan: "Plan", calibrated: bool) -> None:
+    """Refuse a rule measured to break a model whose experts are published as MXFP4: W4A8_DYNAMIC per
+    channel without calibration (a3's data-free default) on a packed source tensor."""
+    if calibrated:
+        return
+    t = next((t for t in plan.tensors() if t.packed and t.scheme == "W4A8_DYNAMIC" and not t.group_size), None)
+    if t is not None:
+        raise RecipeError(f"tensor {t.name!r}: {MXFP4_PER_CHANNEL_INT4}; use {MXFP4_INT4_OPTIONS}")
+
+
 def check_group_size(group_size: int, target: Target) -> None:
     """--group-size (or a recipe's group_size): per-group int4 is an a3 option (W4A8_DYNAMIC), in
     msModelSlim's sizes."""
@@ -284,10 +318,6 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
         group_size = recipe.group_size
     check_group_size(group_size, target)
     weight_map = source.weight_map()
-    for rule in recipe.rules:  # a mistyped --override would otherwise be silently ignored
-        if rule.override and not any(rule.matches(n) for n in weight_map):
-            raise RecipeError(f"--override '{rule.pattern}={rule.scheme}': the pattern matches no tensor "
-                              f"(names look like {min(weight_map, default='')!r})")
     files = sorted(set(weight_map.values()))
     sizes = {f.name: f.size for f in source.files()}
     tensors: list[TensorPlan] = []
@@ -298,15 +328,30 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
         by_file[file].append(name)
     headers = {file: source.header(file) for file in files}
     _check_index(source.id, weight_map, headers)
-    spec.check_inventory({n: (headers[f][n].shape, headers[f][n].dtype) for n, f in weight_map.items()},
-                         f"{source.id}")
+    packed = find_packed(source.id, spec.config, weight_map, headers)
+    packed_by_codes = {p.codes: p for p in packed.values()}
+    scale_parts = {p.scales for p in packed.values()}
+    # the model's tensors: a packed pair is its logical weight (exact in BF16, so the spec sees BF16)
+    inventory = {n: (headers[f][n].shape, headers[f][n].dtype) for n, f in weight_map.items()
+                 if n not in packed_by_codes and n not in scale_parts}
+    inventory.update((p.name, (p.shape, "BF16")) for p in packed.values())
+    spec.check_inventory(inventory, f"{source.id}")
+    for rule in recipe.rules:  # a mistyped --override would otherwise be silently ignored
+        if rule.override and not any(rule.matches(n) for n in inventory):
+            raise RecipeError(f"--override '{rule.pattern}={rule.scheme}': the pattern matches no tensor "
+                              f"(names look like {min(inventory, default='')!r})")
     for file in files:
         header = headers[file]
         in_index = by_file[file]
-        for name in sorted(in_index, key=lambda n: header[n].start):
-            info = header[name]
-            if name.endswith(("weight_packed", "weight_scale", "weight_zero_point")) and info.dtype in ("U8", "I8", "I32"):
-                raise BadCheckpoint(f"{source.id}/{file}: tensor {name!r} is already quantized ({info.dtype}); "
+        for stored in sorted(in_index, key=lambda n: header[n].start):
+            if stored in scale_parts:
+                continue  # read with its codes
+            pair = packed_by_codes.get(stored)
+            name = pair.name if pair else stored
+            info = header[stored] if pair is None else TensorInfo(name, MXFP4, pair.shape, 0, 0)
+            if pair is None and stored.endswith(("weight_packed", "weight_scale", "weight_zero_point")) \
+                    and info.dtype in ("U8", "I8", "I32"):
+                raise BadCheckpoint(f"{source.id}/{file}: tensor {stored!r} is already quantized ({info.dtype}); "
                                     "kimi-quant needs a BF16 source (dequantize it first)")
             role = spec.role(name)
             scheme = recipe.scheme_for(name, role.role)
@@ -316,7 +361,7 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
                                   f"(it takes {target.scheme_names()})")
             if scheme != FLOAT:
                 why = get_codec(scheme, group).check(info.shape, role.matmul)
-                if why is None and info.dtype not in FLOAT_DTYPES:
+                if why is None and info.dtype not in (*FLOAT_DTYPES, MXFP4):
                     why = f"source dtype {info.dtype} is not a float type"
                 if why is None and not name.endswith(".weight"):
                     why = "only '.weight' tensors of Linear layers can be quantized"
@@ -329,9 +374,10 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
             if role.fuse_group:
                 groups[role.fuse_group].add(scheme)
                 group_example.setdefault((role.fuse_group, scheme), name)
+            out_dtype = "BF16" if pair else info.dtype  # a packed tensor kept FLOAT is written decoded
             tensors.append(TensorPlan(name, file, info.dtype, list(info.shape), scheme, role.matmul,
-                                      _outputs(name, info.dtype, list(info.shape), scheme, role.matmul, group),
-                                      group))
+                                      _outputs(name, out_dtype, list(info.shape), scheme, role.matmul, group), group,
+                                      [[pair.codes, pair.codes_file], [pair.scales, pair.scales_file]] if pair else None))
     for group, schemes in sorted(groups.items()):
         if len(schemes) > 1:
             examples = ", ".join(f"{group_example[(group, s)]} -> {s}" for s in sorted(schemes))

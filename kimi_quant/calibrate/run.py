@@ -180,7 +180,7 @@ class _SourceWeights(WeightLoader):
         self._expected = spec.expected_tensors(with_vision=False)
         self.weight_map = source.weight_map()
 
-    def _reader(self, file: str) -> SafetensorsReader:
+    def reader(self, file: str) -> SafetensorsReader:
         r = self._readers.get(file)
         if r is None:
             r = self._readers[file] = SafetensorsReader(*self._source.fetch_vetted(file))
@@ -278,7 +278,7 @@ class _UnitWriter:
         if self._writer is None:
             entries = [(n, dt, tuple(s)) for tp in unit.tensors for n, dt, s in tp.outputs]
             self._writer = ShardWriter(self._out_dir / unit.file, entries)
-        out = write_tensor(self._writer, self._weights._reader(t.file), t, quantize)
+        out = write_tensor(self._writer, self._weights.reader, t, quantize)
         self._pos += 1
         self._progress(t.in_bytes)
         if self._pos == len(self._queue) or self._queue[self._pos][0] is not unit:
@@ -414,7 +414,8 @@ def _last_use(plan: Plan, spec, n_layers: int) -> dict[str, int]:
     last: dict[str, int] = {}
     for t in plan.tensors():
         layer = layer_of(spec, t.name)
-        last[t.file] = max(last.get(t.file, -1), n_layers if layer == GLOBAL else layer)
+        for f in t.files:
+            last[f] = max(last.get(f, -1), n_layers if layer == GLOBAL else layer)
     return last
 
 

@@ -81,7 +81,7 @@ class OpenShard:
         self.jobs: deque[dict] = deque()
         for i, tensors in enumerate([unit.tensors] if whole else split(unit.tensors, part_bytes, taper)):
             names = [name for t in tensors for name, _, _ in t.outputs]
-            needs = sorted({t.file for t in tensors})
+            needs = sorted({f for t in tensors for f in t.files})
             start = offsets[names[0]] if names else 0
             end = start + sum(t.out_bytes for t in tensors)
             self.jobs.append({"file": unit.file, "part": i, "partial": self.assembly.tmp.name,

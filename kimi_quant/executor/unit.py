@@ -13,12 +13,13 @@ from typing import Callable
 
 import numpy as np
 
-from ..dtypes import nonfinite, to_f32
+from ..dtypes import f32_to_bf16, nonfinite, to_f32
 from ..errors import BadCheckpoint
 from ..hashing import sha256_file
 from ..plan import TensorPlan, UnitPlan
-from ..quant import get_codec
+from ..quant import decode_mxfp4, get_codec
 from ..recipe.recipe import FLOAT
+from ..source.compressed import MX_BLOCK, check_mxfp4_scales
 from ..source.safetensors import SafetensorsReader
 from ..write import PartWriter, ShardWriter, finish_shard
 
@@ -113,11 +114,15 @@ def _convert_tensors(tensors: list[TensorPlan], paths: dict[str, str], writer,
     """Quantize (or copy) ``tensors`` in order into ``writer`` (a ShardWriter or a PartWriter);
     ``identities``: the source files the driver vetted (any other file under those names is refused)."""
     readers: dict[str, SafetensorsReader] = {}
+
+    def reader_of(file: str) -> SafetensorsReader:
+        if file not in readers:
+            readers[file] = SafetensorsReader(paths[file], (identities or {}).get(file))
+        return readers[file]
+
     try:
         for t in tensors:
-            if t.file not in readers:
-                readers[t.file] = SafetensorsReader(paths[t.file], (identities or {}).get(t.file))
-            write_tensor(writer, readers[t.file], t)
+            write_tensor(writer, reader_of, t)
             if progress:
                 progress(t.in_bytes)
     finally:
@@ -125,35 +130,78 @@ def _convert_tensors(tensors: list[TensorPlan], paths: dict[str, str], writer,
             r.close()
 
 
-def write_tensor(writer: ShardWriter, reader: SafetensorsReader, t, quantize=None) -> dict[str, np.ndarray] | None:
-    """Write source tensor ``t`` (a TensorPlan) into ``writer``: FLOAT bytes streamed through, or its
-    codec's output. ``quantize(codec, w_f32, matmul)``, when given, replaces the data-free rule (the
-    calibrated path passes GPTQ here). Returns the quantized outputs (None for FLOAT)."""
-    where = f"{reader.path}: tensor {t.name!r}"
-    info = reader.info(t.name)
-    if info.dtype != t.dtype or list(info.shape) != list(t.shape):
+def _checked_array(reader: SafetensorsReader, name: str, dtype: str, shape) -> np.ndarray:
+    where = f"{reader.path}: tensor {name!r}"
+    info = reader.info(name)
+    if info.dtype != dtype or list(info.shape) != list(shape):
         raise BadCheckpoint(f"{where}: is {info.dtype}{list(info.shape)} but the plan expected "
-                            f"{t.dtype}{list(t.shape)} (source changed since planning?)")
+                            f"{dtype}{list(shape)} (source changed since planning?)")
+    return reader.array(name)
+
+
+def read_source(reader_of: Callable[[str], SafetensorsReader], t) -> tuple[np.ndarray, ...]:
+    """The source arrays of ``t`` as planned: (bf16/float storage,) or, for a packed MXFP4 pair,
+    (codes, scales); each checked against the plan (a source changed since planning is refused)."""
+    if not t.packed:
+        return (_checked_array(reader_of(t.file), t.name, t.dtype, t.shape),)
+    (codes_name, codes_file), (scales_name, scales_file) = t.packed
+    n, k = t.shape
+    codes = _checked_array(reader_of(codes_file), codes_name, "U8", (n, k // 2))
+    scales = _checked_array(reader_of(scales_file), scales_name, "U8", (n, k // MX_BLOCK))
+    check_mxfp4_scales(scales, f"{reader_of(codes_file).path}: tensor {t.name!r}")
+    return codes, scales
+
+
+def release_source(reader_of: Callable[[str], SafetensorsReader], t) -> None:
+    """Drop the mapped pages of ``t``'s source tensors (after they have been consumed)."""
+    for name, file in t.packed or [(t.name, t.file)]:
+        reader_of(file).release(name)
+
+
+def source_f32(reader_of: Callable[[str], SafetensorsReader], t) -> np.ndarray:
+    """``t``'s source values as float32 (a packed MXFP4 pair decoded exactly)."""
+    parts = read_source(reader_of, t)
+    if t.packed:
+        return decode_mxfp4(*parts)
+    return to_f32(parts[0], t.dtype)
+
+
+def write_tensor(writer: ShardWriter, reader_of: Callable[[str], SafetensorsReader], t,
+                 quantize=None) -> dict[str, np.ndarray] | None:
+    """Write source tensor ``t`` (a TensorPlan) into ``writer``: FLOAT bytes streamed through, or its
+    codec's output. ``reader_of(file)``: the open reader of a source shard. ``quantize(codec, w_f32,
+    matmul)``, when given, replaces the data-free rule (the calibrated path passes GPTQ here). A packed
+    MXFP4 source becomes W4A8_MXFP as it is (whatever ``quantize``: the source's values are already on
+    that grid) and is decoded exactly for any other scheme. Returns the quantized outputs (None for FLOAT)."""
+    where = f"{reader_of(t.file).path}: tensor {t.name!r}"
     out = None
-    if t.scheme == FLOAT:
-        _copy_float(writer, reader, t, where)
+    if t.scheme == FLOAT and not t.packed:
+        read_source(reader_of, t)  # checks the dtype and shape the plan saw
+        _copy_float(writer, reader_of(t.file), t, where)
+    elif t.scheme == FLOAT:  # a packed tensor kept in float: its exact values as BF16 (the output's dtype)
+        w = f32_to_bf16(source_f32(reader_of, t))
+        if nonfinite(w, "BF16"):
+            raise BadCheckpoint(f"{where}: decodes to values beyond the BF16 range")
+        writer.write(t.outputs[0][0], w)
     else:
-        w = reader.array(t.name)
         codec = t.codec
         try:
-            if quantize is not None:
-                out = quantize(codec, to_f32(w, t.dtype), t.matmul)
+            if t.repack:
+                out = codec.from_mxfp4(*read_source(reader_of, t))
+            elif quantize is not None:
+                out = quantize(codec, source_f32(reader_of, t), t.matmul)
+            elif t.packed:  # the decoded values are exact in bf16 (1-bit mantissas), so the fast path takes them
+                out = codec.quantize_bf16(f32_to_bf16(source_f32(reader_of, t)), t.matmul)
             elif t.dtype == "BF16":
-                out = codec.quantize_bf16(w, t.matmul)
+                out = codec.quantize_bf16(read_source(reader_of, t)[0], t.matmul)
             else:
-                out = codec.quantize(w.astype(np.float32), t.matmul)
+                out = codec.quantize(read_source(reader_of, t)[0].astype(np.float32), t.matmul)
         except ValueError as e:  # codecs refuse NaN / Inf
             raise BadCheckpoint(f"{where}: {e}") from None
         check_codec_outputs(t.scheme, t.outputs, out.values(), where)
         for (name, _, _), arr in zip(t.outputs, out.values()):
             writer.write(name, arr)
-        del w
-    reader.release(t.name)
+    release_source(reader_of, t)
     return out
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..dtypes import STORAGE, f32_to_bf16
+from ..quant import get_codec
+from ..source.compressed import CODES_SUFFIX, MX_BLOCK, SCALES_SUFFIX, mxfp4_quantization_config
 from ..source.safetensors import SafetensorsReader
 from ..write import ShardWriter, write_json_atomic
 from ..write.safetensors_writer import encode_header
@@ -113,27 +115,65 @@ def _prepare_output(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def write_header_only(config: dict, out: Path, shard_size: int = 512 * 1024**2) -> Path:
+#: the routed experts as Moonshot publishes Kimi K3 (compressed-tensors' regex target for its experts)
+RELEASED_EXPERT_TARGETS = [r"re:.*block_sparse_moe\.experts\.\d+\.(w1|w2|w3)$"]
+EXPERT_FORMATS = ("bf16", "mxfp4")
+
+
+def _inventory(config: dict, experts: str) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, str]]:
+    """(stored tensors: name -> (shape, dtype), packed codes name -> its logical weight). With
+    ``experts="mxfp4"`` each routed expert weight [N, K] is stored as compressed-tensors stores it:
+    ``weight_packed`` U8 [N, K/2] then ``weight_scale`` U8 [N, K/32]."""
+    spec = spec_from_config(config)
+    tensors = spec.expected_tensors()
+    if experts == "bf16":
+        return tensors, {}
+    stored: dict[str, tuple[tuple[int, ...], str]] = {}
+    packed: dict[str, str] = {}
+    for name, (shape, dtype) in tensors.items():
+        if spec.role(name).role.startswith("routed_expert."):
+            base = name[: -len(".weight")]
+            stored[base + CODES_SUFFIX] = ((shape[0], shape[1] // 2), "U8")
+            stored[base + SCALES_SUFFIX] = ((shape[0], shape[1] // MX_BLOCK), "U8")
+            packed[base + CODES_SUFFIX] = name
+        else:
+            stored[name] = (shape, dtype)
+    return stored, packed
+
+
+def _with_experts(config: dict, experts: str) -> dict:
+    """config.json as published: with the compressed-tensors quantization_config for MXFP4 experts."""
+    if experts == "bf16":
+        return config
+    return {**config, "quantization_config": mxfp4_quantization_config(RELEASED_EXPERT_TARGETS)}
+
+
+def write_header_only(config: dict, out: Path, shard_size: int = 512 * 1024**2, experts: str = "bf16") -> Path:
     """The tensor inventory of ``config`` (any supported family) as header-only shards, tensor bytes
     left as holes, then index and config: what ``plan`` needs to size a real model without its data."""
-    tensors = spec_from_config(config).expected_tensors()
+    tensors, _ = _inventory(config, experts)
     out.mkdir(parents=True, exist_ok=True)
     weight_map = _write_sparse(out, tensors, _assign_shards(tensors, shard_size, scatter=0))
     total = sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values())
     write_json_atomic(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    write_json_atomic(out / "config.json", config)
+    write_json_atomic(out / "config.json", _with_experts(config, experts))
     return out
 
 
 def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | None = None,
           shard_size: int = 512 * 1024**2, random_weights: bool = False, progress: bool = False,
-          sparse: bool = False, overwrite: bool = False) -> Path:
+          sparse: bool = False, overwrite: bool = False, experts: str = "bf16") -> Path:
     """Write preset ``tiny``, ``bench`` or (``sparse`` only) ``full`` to ``output``; returns the directory.
 
     ``sparse``: headers only, tensor bytes left as holes (zeros) -- for ``plan`` on the real 2.8T inventory.
+    ``experts="mxfp4"``: the routed experts as Kimi K3 is published, compressed-tensors
+    ``mxfp4-pack-quantized`` (each expert's weights put on the MXFP4 grid by the W4A8_MXFP rule, stored as
+    codes and scales); the rest BF16.
     ``output`` must be empty or absent; ``overwrite`` first deletes an earlier checkpoint's files there.
     Config and index are written last, so an interrupted run never looks like a complete checkpoint.
     """
+    if experts not in EXPERT_FORMATS:
+        raise KimiQuantError(f"experts {experts!r}: one of {', '.join(EXPERT_FORMATS)}")
     if num_experts is not None and num_experts < 1:
         raise KimiQuantError(f"--num-experts {num_experts}: a MoE layer needs at least 1 expert")
     config = preset_config(preset, num_experts=num_experts)  # refuses bad arguments before any file is touched
@@ -141,13 +181,30 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
     _prepare_output(out, overwrite)
     if sparse or preset == "full":
         _copy_tokenizer(out)
-        return write_header_only(config, out, shard_size)
-    tensors = spec_from_config(config).expected_tensors()
+        return write_header_only(config, out, shard_size, experts)
+    tensors, packed = _inventory(config, experts)
+    logical = spec_from_config(config).expected_tensors()
     fixture = None if (random_weights or num_experts) else fixture_dir(preset)
     reader = SafetensorsReader(fixture / "model.safetensors") if fixture else None
     shards = _assign_shards(tensors, shard_size, scatter=4 if preset == "tiny" else 0)
     n = len(shards)
     weight_map: dict[str, str] = {}
+    packed_parts = {part: logical for codes, logical in packed.items()
+                    for part in (codes, codes[: -len(CODES_SUFFIX)] + SCALES_SUFFIX)}
+    pending: dict[str, dict[str, np.ndarray]] = {}  # the part of a pair not written yet (shards may split pairs)
+
+    def mx_part(part: str) -> np.ndarray:
+        name = packed_parts[part]
+        if name not in pending:
+            w = reader.array(name) if reader is not None else _random_tensor(name, *logical[name], seed)
+            mx = get_codec("W4A8_MXFP").quantize_bf16(np.ascontiguousarray(w))
+            base = name[: -len(".weight")]
+            pending[name] = {base + CODES_SUFFIX: mx["weight"], base + SCALES_SUFFIX: mx["weight_scale"]}
+        arr = pending[name].pop(part)
+        if not pending[name]:
+            del pending[name]
+        return arr
+
     total = 0
     bar = None
     if progress:
@@ -160,7 +217,10 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
             writer = ShardWriter(out / file, [(nm, tensors[nm][1], tensors[nm][0]) for nm in names])
             for nm in names:
                 shape, dt = tensors[nm]
-                arr = reader.array(nm) if reader is not None else _random_tensor(nm, shape, dt, seed)
+                if nm in packed_parts:  # a routed expert put on the MXFP4 grid, stored as codes and scales
+                    arr = mx_part(nm)
+                else:
+                    arr = reader.array(nm) if reader is not None else _random_tensor(nm, shape, dt, seed)
                 writer.write(nm, arr)
                 weight_map[nm] = file
                 total += arr.nbytes
@@ -174,8 +234,10 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
             bar.close()
     _copy_tokenizer(out)  # before config.json: written last, it marks the checkpoint complete
     write_json_atomic(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    write_json_atomic(out / "config.json", config)
+    write_json_atomic(out / "config.json", _with_experts(config, experts))
+    released = (" Routed experts are MXFP4 (compressed-tensors mxfp4-pack-quantized), as Kimi K3 is published."
+                if experts == "mxfp4" else "")
     (out / "README.md").write_text(
         f"# Synthetic Kimi K3.1-shaped checkpoint ({preset})\n\nWritten by `kimi-quant synth --preset {preset}`"
-        f" (seed {seed}). Tensor names and structure follow Kimi K3.1; dimensions are small.\n")
+        f" (seed {seed}). Tensor names and structure follow Kimi K3.1; dimensions are small.{released}\n")
     return out

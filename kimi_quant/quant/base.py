@@ -60,6 +60,13 @@ class Codec:
     #: whether the loader reads the description's ``group_size`` for this type (only W4A8_DYNAMIC: the
     #: W8A8_DYNAMIC methods never look at it, MX blocks are 32 whatever it says)
     reads_group_size: ClassVar[bool] = False
+    #: whether the codes and E8M0 scales of a packed MXFP4 source tensor are this scheme's output as
+    #: they are (``from_mxfp4``): a repack, no requantization
+    takes_mxfp4: ClassVar[bool] = False
+
+    def from_mxfp4(self, codes: np.ndarray, scales: np.ndarray) -> dict[str, np.ndarray]:
+        """A packed MXFP4 source tensor (codes U8 [N, K/2], scales U8 [N, K/32]) as this scheme's tensors."""
+        raise NotImplementedError(f"{self.name} does not take MXFP4 codes as they are")
 
     def with_group_size(self, group_size: int) -> "Codec":
         """This scheme as the loader reads it under description ``"group_size": group_size``."""

@@ -74,6 +74,12 @@ class W4A8MXFP(_MX):
     elem = "e2m1"
     _pack = staticmethod(nm.pack_nibbles_along_k)
     kernel = "mxfp4_kernel"
+    # compressed-tensors' mxfp4-pack-quantized stores the same E2M1 nibbles in the same order and the
+    # same E8M0 bytes: its experts are this scheme's output byte for byte
+    takes_mxfp4 = True
+
+    def from_mxfp4(self, codes, scales):
+        return {"weight": codes, "weight_scale": scales}
 
     @staticmethod
     def _values(weight):
@@ -98,3 +104,9 @@ class W8A8MXFP8(_MX):
     elem = "e4m3"
     kernel = "mxfp8_kernel"
     _values = staticmethod(nm.e4m3_to_f32)  # weight holds F8_E4M3 bit patterns
+
+
+def decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The exact float32 values of MXFP4 codes (U8 [N, K/2]) and E8M0 scales (U8 [N, K/32]), as a
+    packed source tensor stores them: W4A8_MXFP's own decoding of the same bytes."""
+    return np.asarray(W4A8MXFP().dequantize({"weight": codes, "weight_scale": scales}), dtype=np.float32)

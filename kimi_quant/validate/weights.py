@@ -24,6 +24,8 @@ import torch
 from ..dtypes import to_f32
 from ..errors import BadCheckpoint, KimiQuantError
 from ..model.spec import ModelSpec, load_model_spec
+from ..quant import decode_mxfp4
+from ..source.compressed import CODES_SUFFIX, MX_BLOCK, SCALES_SUFFIX, check_mxfp4_scales, packing_declared
 from ..source.local import LocalSource
 from ..source.safetensors import SafetensorsReader
 from ..untrusted import parse_json
@@ -105,7 +107,8 @@ class WeightLoader:
     def cfg(self):
         return self.spec.text
 
-    def _reader(self, file: str) -> SafetensorsReader:
+    def reader(self, file: str) -> SafetensorsReader:
+        """The open reader of shard ``file`` (opened on first use, checked to lie in the checkpoint)."""
         r = self._readers.get(file)
         if r is None:
             # the index is input we did not write: its names go through the source's checks (no '..', no
@@ -120,16 +123,32 @@ class WeightLoader:
             raise BadCheckpoint(f"{self.root}: tensor {name!r} is not in the weight map") from None
 
     def _raw(self, name: str) -> tuple[np.ndarray, str]:
-        r = self._reader(self._file_of(name))
+        r = self.reader(self._file_of(name))
         return r.array(name), r.info(name).dtype
 
     def _release(self, name: str) -> None:
         """Drop the mapped pages of ``name`` (after it has been copied out)."""
-        r = self._readers.get(self.weight_map.get(name, ""))
-        if r is not None:
-            r.release(name)
+        for stored in self._packed_parts(name) or (name,):
+            r = self._readers.get(self.weight_map.get(stored, ""))
+            if r is not None:
+                r.release(stored)
+
+    def _packed_parts(self, name: str) -> tuple[str, str] | None:
+        """(codes, scales) when ``name`` is stored as a packed MXFP4 pair (a compressed-tensors source)."""
+        if name in self.weight_map or not name.endswith(".weight"):
+            return None
+        codes, scales = name[: -len(".weight")] + CODES_SUFFIX, name[: -len(".weight")] + SCALES_SUFFIX
+        return (codes, scales) if codes in self.weight_map and scales in self.weight_map else None
 
     def _float(self, name: str) -> torch.Tensor:
+        parts = self._packed_parts(name)
+        if parts:
+            (codes, c_dt), (scales, s_dt) = (self._raw(p) for p in parts)
+            if (c_dt, s_dt) != ("U8", "U8") or codes.ndim != 2 or scales.shape != (codes.shape[0], 2 * codes.shape[1] // MX_BLOCK):
+                raise BadCheckpoint(f"{self.root}: {name!r} is packed as {c_dt}{list(codes.shape)} and "
+                                    f"{s_dt}{list(scales.shape)}, not MXFP4 codes U8 [N, K/2] and scales U8 [N, K/32]")
+            check_mxfp4_scales(scales, f"{self.root}: {name!r}")
+            return torch.from_numpy(decode_mxfp4(codes, scales))
         arr, dtype = self._raw(name)
         return torch.from_numpy(np.array(to_f32(arr, dtype), dtype=np.float32, copy=True))
 
@@ -216,7 +235,8 @@ def _read_json(path: Path) -> dict:
 
 
 class SourceLoader(WeightLoader):
-    """A BF16 (or F32) source checkpoint directory."""
+    """A source checkpoint directory: BF16 (or F32), or compressed-tensors with packed MXFP4 experts
+    (decoded exactly on read)."""
 
     def __init__(self, root: str | Path):
         super().__init__(root)
@@ -227,9 +247,12 @@ class SourceLoader(WeightLoader):
                 raise BadCheckpoint(f"{index}: has no weight_map")
             self.weight_map = {str(k): str(v) for k, v in wm.items()}
         elif (self.root / SOURCE_SINGLE).exists():
-            self.weight_map = {n: SOURCE_SINGLE for n in self._reader(SOURCE_SINGLE).tensors}
+            self.weight_map = {n: SOURCE_SINGLE for n in self.reader(SOURCE_SINGLE).tensors}
         else:
             raise KimiQuantError(f"{self.root}: no {SOURCE_INDEX} and no {SOURCE_SINGLE}: not a source checkpoint")
+        # packed pairs are decoded only in the one format read here; any other quantization is refused
+        packing_declared(f"{self.root}/config.json", self.spec.config,
+                         sorted(n for n in self.weight_map if n.endswith(CODES_SUFFIX)))
 
 
 class QuantizedLoader(WeightLoader):
