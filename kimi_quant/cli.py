@@ -15,6 +15,7 @@ import re
 import signal
 import sys
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -398,6 +399,16 @@ def _calibrate_lines(e: dict, cal, workers: int) -> list[str]:
             "shards are cut at layer boundaries"]
 
 
+def packed_source_line(p) -> str | None:
+    """What becomes of a source's packed MXFP4 tensors (None for a BF16 source)."""
+    packed = Counter((t.scheme, t.repack) for t in p.tensors() if t.packed)
+    if not packed:
+        return None
+    ways = [f"{n:,} copied as they are (W4A8_MXFP: the source's own codes and scales, exact)" if repack
+            else f"{n:,} decoded exactly, then {scheme}" for (scheme, repack), n in sorted(packed.items())]
+    return f"source   MXFP4 tensors (compressed-tensors mxfp4-pack-quantized): {'; '.join(ways)}"
+
+
 def plan_summary(p, job: dict, work_dir=None) -> list[str]:
     """The sizing lines ``plan`` prints first: what is converted, output, disk, memory, time, model_quant_type."""
     from .plan import PER_GROUP_LOADERS, model_quant_type_meaning
@@ -407,7 +418,9 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
              + (f", int4 per group of {p.int4_group_size}" if p.int4_group_size else "")
              + f"): {_count(job['units'], 'output shard')} (max {_gb(p.max_shard_size)})",
              f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
-             f"{_gb(job['in_bytes'])} BF16 input)"]
+             f"{_gb(job['in_bytes'])} {'MXFP4 + BF16' if packed_source_line(p) else 'BF16'} input)"]
+    if packed_source_line(p):
+        lines.append(packed_source_line(p))
     if job["disk_staging_bytes"] is None:
         lines.append(f"disk     {_gb(job['disk_needed_bytes'])}: the output (a local source is read in place)")
     else:
@@ -559,6 +572,8 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
                        "verified and kept")
         click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {_count(len(p.units), 'shard')}; "
                    f"tensors: {counts}")
+        if packed_source_line(p):
+            click.echo(packed_source_line(p).removeprefix("source   "))
         if res.calibration is not None:
             from .calibrate.config import describe
 

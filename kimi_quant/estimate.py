@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import platform
 import tempfile
@@ -108,7 +109,8 @@ def measure_rates() -> Rates:
     from .dtypes import f32_to_bf16
     from .executor.unit import convert_unit
     from .plan import TensorPlan, UnitPlan, _outputs
-    from .quant import REGISTRY, warmup
+    from .quant import REGISTRY, get_codec, warmup
+    from .source.compressed import MXFP4
     from .write import ShardWriter
 
     warmup()  # compiles on a cold numba cache (not part of any rate)
@@ -117,9 +119,19 @@ def measure_rates() -> Rates:
     with tempfile.TemporaryDirectory(prefix="kq-rates-") as d:
         src = Path(d) / "sample.safetensors"
         names = [(s, f"{s}.{i}.weight") for s in schemes for i in range(2)]
-        writer = ShardWriter(src, [(n, "BF16", SAMPLE_SHAPE) for _, n in names])
-        for _, n in names:
-            writer.write(n, f32_to_bf16((0.02 * rng.standard_normal(SAMPLE_SHAPE)).astype(np.float32)))
+        samples = {n: f32_to_bf16((0.02 * rng.standard_normal(SAMPLE_SHAPE)).astype(np.float32)) for _, n in names}
+        # packed MXFP4 sources (a released checkpoint's experts): the repack, and int4 from the decoded values
+        packed = {key: [f"{key}.{i}" for i in range(2)] for key in PACKED_RATE_KEYS}
+        mx = get_codec("W4A8_MXFP")
+        parts: dict[str, np.ndarray] = {}
+        weights = list(samples.values())
+        for i, p in enumerate(p for ps in packed.values() for p in ps):
+            out = mx.quantize_bf16(weights[i])
+            parts[f"{p}.weight_packed"], parts[f"{p}.weight_scale"] = out["weight"], out["weight_scale"]
+        writer = ShardWriter(src, [(n, "BF16", SAMPLE_SHAPE) for _, n in names]
+                             + [(n, "U8", a.shape) for n, a in parts.items()])
+        for n, a in [*samples.items(), *parts.items()]:
+            writer.write(n, a)
         writer.commit()
         units = {}
         for scheme in schemes:
@@ -128,12 +140,26 @@ def measure_rates() -> Rates:
             units[scheme] = UnitPlan(f"{scheme}.safetensors", [
                 TensorPlan(n, src.name, "BF16", list(SAMPLE_SHAPE), scheme, matmul,
                            _outputs(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
+        for key, prefixes in packed.items():
+            scheme, group = PACKED_RATE_KEYS[key]
+            units[key] = UnitPlan(f"{scheme}-mxfp4.safetensors", [
+                TensorPlan(f"{p}.weight", src.name, MXFP4, list(SAMPLE_SHAPE), scheme, "down",
+                           _outputs(f"{p}.weight", "BF16", list(SAMPLE_SHAPE), scheme, "down", group), group,
+                           [[f"{p}.weight_packed", src.name], [f"{p}.weight_scale", src.name]]) for p in prefixes])
         seconds = _best_cpu_times({scheme: functools.partial(convert_unit, unit, {src.name: str(src)}, d)
                                    for scheme, unit in units.items()})
         per_byte = {scheme: seconds[scheme] / unit.in_bytes for scheme, unit in units.items()}
     return Rates(per_byte=per_byte, cpu=_cpu_name(), cpu_key=cpu_key(), tool_version=__version__,
                  measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), code=code_fingerprint(),
                  where="measured now")
+
+
+#: rates measured from packed MXFP4 sources: key -> (output scheme, int4 group size)
+PACKED_RATE_KEYS = {"W4A8_MXFP<MXFP4": ("W4A8_MXFP", 0), "W4A8_DYNAMIC<MXFP4": ("W4A8_DYNAMIC", 32)}
+
+
+def packed_rate_key(scheme: str) -> str:
+    return f"{scheme}<MXFP4"
 
 
 def rates_path() -> Path:
@@ -174,15 +200,22 @@ def wall_seconds(core_s: float, parallel: int, download_bytes: int = 0, link_bps
     return STARTUP_S + max(compute, download)
 
 
+def tensor_core_seconds(t, rates: Rates) -> float:
+    """CPU seconds of one core for source tensor ``t`` (a TensorPlan). A packed MXFP4 tensor has rates
+    of its own (a repack moves bytes; int4 decodes first); a scheme measured only from BF16 is taken at
+    its rate per element."""
+    slowest = max(rates.per_byte.values())
+    if not t.packed:
+        return t.in_bytes * rates.per_byte.get(t.scheme, slowest)
+    key = packed_rate_key(t.scheme)
+    if key in rates.per_byte:
+        return t.in_bytes * rates.per_byte[key]
+    return 2 * math.prod(t.shape) * rates.per_byte.get(t.scheme, slowest)  # as many elements of BF16
+
+
 def unit_core_seconds(plan: Plan, rates: Rates) -> list[float]:
     """CPU seconds of one core per output shard."""
-    out = []
-    for u in plan.units:
-        s = 0.0
-        for t in u.tensors:
-            s += t.in_bytes * rates.per_byte.get(t.scheme, max(rates.per_byte.values()))
-        out.append(s)
-    return out
+    return [sum(tensor_core_seconds(t, rates) for t in u.tensors) for u in plan.units]
 
 
 def calibrate_seconds(plan: Plan, rates: Rates, workers: int) -> float | None:

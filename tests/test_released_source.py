@@ -312,3 +312,18 @@ def test_a_nan_scale_is_refused_and_leaves_nothing_that_looks_complete(bf16, tmp
     r = kq("convert", str(src), "-t", "950dt", "-o", str(out))
     assert r.returncode != 0 and "0xFF, E8M0's NaN" in error_line(r.stderr)
     assert not (out / "quant_model_description.json").exists()
+
+
+def test_bf16_decoding_is_exact_for_every_byte_under_every_scale():
+    """The int4 path's fast decoding (bf16 bits) equals the exact float decoding, rounded to bf16 (which
+    holds every MXFP4 value), for all 256 code pairs under all 255 E8M0 scales."""
+    from kimi_quant.dtypes import f32_to_bf16
+    from kimi_quant.quant import decode_mxfp4_bf16
+
+    codes = np.tile(np.arange(256, dtype=np.uint8), (255, 16))
+    scales = np.repeat(np.arange(255, dtype=np.uint8)[:, None], 16 * 256 * 2 // 32, axis=1)
+    normal = slice(2, 253)  # rows whose scales take the fast path (the others, the exact one)
+    with np.errstate(over="ignore"):
+        for rows in (normal, slice(None)):
+            np.testing.assert_array_equal(decode_mxfp4_bf16(codes[rows], scales[rows]),
+                                          f32_to_bf16(decode_mxfp4(codes[rows], scales[rows])))

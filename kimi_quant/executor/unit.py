@@ -13,11 +13,11 @@ from typing import Callable
 
 import numpy as np
 
-from ..dtypes import f32_to_bf16, nonfinite, to_f32
+from ..dtypes import nonfinite, to_f32
 from ..errors import BadCheckpoint
 from ..hashing import sha256_file
 from ..plan import TensorPlan, UnitPlan
-from ..quant import decode_mxfp4, get_codec
+from ..quant import decode_mxfp4, decode_mxfp4_bf16, get_codec
 from ..recipe.recipe import FLOAT
 from ..source.compressed import MX_BLOCK, check_mxfp4_scales
 from ..source.safetensors import SafetensorsReader
@@ -179,7 +179,7 @@ def write_tensor(writer: ShardWriter, reader_of: Callable[[str], SafetensorsRead
         read_source(reader_of, t)  # checks the dtype and shape the plan saw
         _copy_float(writer, reader_of(t.file), t, where)
     elif t.scheme == FLOAT:  # a packed tensor kept in float: its exact values as BF16 (the output's dtype)
-        w = f32_to_bf16(source_f32(reader_of, t))
+        w = decode_mxfp4_bf16(*read_source(reader_of, t))
         if nonfinite(w, "BF16"):
             raise BadCheckpoint(f"{where}: decodes to values beyond the BF16 range")
         writer.write(t.outputs[0][0], w)
@@ -191,7 +191,7 @@ def write_tensor(writer: ShardWriter, reader_of: Callable[[str], SafetensorsRead
             elif quantize is not None:
                 out = quantize(codec, source_f32(reader_of, t), t.matmul)
             elif t.packed:  # the decoded values are exact in bf16 (1-bit mantissas), so the fast path takes them
-                out = codec.quantize_bf16(f32_to_bf16(source_f32(reader_of, t)), t.matmul)
+                out = codec.quantize_bf16(decode_mxfp4_bf16(*read_source(reader_of, t)), t.matmul)
             elif t.dtype == "BF16":
                 out = codec.quantize_bf16(read_source(reader_of, t)[0], t.matmul)
             else:

@@ -2,7 +2,7 @@
 
 from .base import REGISTRY, Codec, dequantize_prefixed, get_codec, load_kernels, register
 from . import int_schemes, mx_schemes  # noqa: F401  (register the codecs)
-from .mx_schemes import decode_mxfp4
+from .mx_schemes import decode_mxfp4, decode_mxfp4_bf16
 from .numerics import NonFiniteWeight
 
 
@@ -10,5 +10,5 @@ def warmup(writable: bool = True) -> None:
     """Compile (or load from numba's cache) every kernel; see ``kernels.warmup``."""
     load_kernels().warmup(writable)
 
-__all__ = ["REGISTRY", "Codec", "NonFiniteWeight", "decode_mxfp4", "dequantize_prefixed", "get_codec", "register",
+__all__ = ["REGISTRY", "Codec", "NonFiniteWeight", "decode_mxfp4", "decode_mxfp4_bf16", "dequantize_prefixed", "get_codec", "register",
            "warmup"]
