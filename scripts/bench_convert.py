@@ -215,12 +215,18 @@ def warm_memory(gib: float) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def synth(work: Path, experts: int) -> Path:
-    src = work / f"bench-bf16-e{experts}"
+def synth(work: Path, experts: int, layout: str = "bf16") -> Path:
+    """The bench checkpoint with ``experts`` routed experts per layer; ``layout`` "mxfp4": its routed
+    experts as Kimi K3 is published (compressed-tensors mxfp4-pack-quantized), the same model."""
+    src = work / f"bench-{layout}-e{experts}"
     if not (src / "config.json").exists():
-        subprocess.run(["kimi-quant", "synth", "--preset", "bench", "--num-experts", str(experts), "-o", str(src)],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(["kimi-quant", "synth", "--preset", "bench", "--num-experts", str(experts), "--experts", layout,
+                        "-o", str(src), "--overwrite"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return src
+
+
+#: what a released (MXFP4-expert) source needs per target: a3 refuses per-channel data-free int4 on it
+RELEASED_TARGET_OPTIONS = {"a3": ["--group-size", "32"], "950dt": []}
 
 
 def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str,
@@ -239,7 +245,8 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
         cmd = ["kimi-quant", "convert", str(src), "-t", target, "-o", str(out), "--max-shard-size", shard, "--quiet"]
         if workers:
             cmd += ["--workers", str(workers)]
-        cmd += list(extra)
+        target_extra = RELEASED_TARGET_OPTIONS[target] if src.name.startswith("bench-mxfp4") else []
+        cmd += list(extra) + target_extra
         runs = []
         for _ in range(repeat):
             shutil.rmtree(out, ignore_errors=True)
@@ -252,7 +259,7 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
         median, best = secs[len(secs) // 2], secs[0]
         gbps = nbytes / median / 1e9
         rows.append({"source": src.name, "target": target, "shard": shard, "workers": workers,
-                     "options": " ".join(extra), "in_gb": nbytes / 1e9,
+                     "options": " ".join([*extra, *target_extra]), "in_gb": nbytes / 1e9,
                      "runs": repeat, "seconds": round(median, 2), "gbps": round(gbps, 3),
                      "gbps_best": round(nbytes / best / 1e9, 3), "read_gbps": round(read_bw, 2),
                      "ratio_to_read": round(gbps / read_bw, 3), "src_map_core_s_per_gb": round(src_map, 3),
@@ -396,6 +403,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="where outputs go (default: --work; /dev/shm measures compute, not disk)")
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--double", action="store_true", help="also run with twice the experts (flat-memory check)")
+    ap.add_argument("--released", action="store_true",
+                    help="also convert the same model with its routed experts as Kimi K3 is published (MXFP4, "
+                         "compressed-tensors): 950dt repacks them, a3 decodes them (--group-size 32)")
     ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
     ap.add_argument("--workers", type=int, nargs="+", default=[None],
                     help="worker counts to run (e.g. 1 2: how conversion scales; default: one per core)")
@@ -445,6 +455,9 @@ def main() -> None:
                 rows += measure(args.experts, ["--hash-inputs"])
             if args.double:
                 rows += measure(2 * args.experts)
+            if args.released:
+                rows += bench(synth(work, args.experts, "mxfp4"), out, args.targets, workers, shard,
+                              repeat=args.repeat, fresh_cache=args.recache)
     if args.llm_compressor:
         rows += bench_llm_compressor(synth(work, args.experts), out, args.llm_compressor_python, args.targets, rows,
                                      repeat=args.llm_compressor_repeat, path=args.llm_compressor_path)

@@ -45,7 +45,8 @@ import consumer_sources as cs
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.model.spec import spec_from_config
 from test_consumer_vllm_ascend import (BOUND, TP, _ours, _read_all, _rel, check_int4_bias, join_experts, join_linear,
-                                       linear_weight, moe_weights, mx_loaded_experts, roll_intermediate, tiny)  # noqa: F401
+                                       linear_weight, moe_weights, mx_loaded_experts, released, roll_intermediate,
+                                       tiny)  # noqa: F401
 
 SCHEMES = {  # description type -> (Linear scheme, MoE scheme) SGLang must pick
     "W8A8_DYNAMIC": ("ModelSlimW8A8Int8", None),
@@ -71,11 +72,14 @@ def sgl():
     stubs.remove_sglang()
 
 
-@pytest.fixture(scope="module", params=["a3", "950dt"])
-def converted(request, tiny, tmp_path_factory):
+@pytest.fixture(scope="module", params=["a3", "950dt", "950dt-released"])
+def converted(request, tiny, released, tmp_path_factory):
+    """(target, output); "950dt-released": from the tiny model as Kimi K3 is published (MXFP4 experts)."""
+    target = request.param.removesuffix("-released")
     out = tmp_path_factory.mktemp(f"sglang-out-{request.param}")
-    convert(str(tiny), ConvertOptions(target=request.param, output=out, workers=1, quiet=True))
-    return request.param, out
+    convert(str(released if request.param.endswith("-released") else tiny),
+            ConvertOptions(target=target, output=out, workers=1, quiet=True))
+    return target, out
 
 
 def npu_loader_mapping(src: Path) -> dict:

@@ -96,14 +96,25 @@ def _conversions() -> dict:
 
 # function-scoped params over a module-scoped cache: pytest then groups the tests by ``va`` alone, so
 # each vLLM-Ascend version is imported once
-@pytest.fixture(params=["a3", "950dt", "a3-group32"])
-def converted(request, tiny, tmp_path_factory, _conversions):
-    """(target, output); "a3-group32": ``--group-size 32`` (the tiny experts have K = 64: two groups)."""
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    """The tiny fixture with its routed experts as Kimi K3 is published (compressed-tensors MXFP4)."""
+    d = tmp_path_factory.mktemp("tiny-released")
+    synth("tiny", d, experts="mxfp4")
+    return d
+
+
+@pytest.fixture(params=["a3", "950dt", "a3-group32", "950dt-released", "a3-released-group32"])
+def converted(request, tiny, released, tmp_path_factory, _conversions):
+    """(target, output); "a3-group32": ``--group-size 32`` (the tiny experts have K = 64: two groups);
+    "-released": converted from ``released`` (950dt copies its experts' codes and scales, a3 decodes them)."""
     if request.param not in _conversions:
         target, _, group = request.param.partition("-group")
+        source = released if target.endswith("-released") else tiny
+        target = target.removesuffix("-released")
         out = tmp_path_factory.mktemp(f"out-{request.param}")
-        convert(str(tiny), ConvertOptions(target=target, output=out, workers=1, quiet=True,
-                                          group_size=int(group or 0)))
+        convert(str(source), ConvertOptions(target=target, output=out, workers=1, quiet=True,
+                                            group_size=int(group or 0)))
         _conversions[request.param] = target, out
     return _conversions[request.param]
 

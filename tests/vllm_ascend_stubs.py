@@ -273,6 +273,10 @@ def import_vllm_ascend(src: Path, device_type: str = "A3") -> SimpleNamespace:
         return _SAVED["consumer"]
     if "src" in _SAVED:
         remove_vllm_ascend()
+    try:  # where the real compressed-tensors is installed (the test extra), 0.30 imports it: import it before
+        import compressed_tensors  # noqa: F401  (torch_npu is stubbed, which its accelerate import cannot probe)
+    except ImportError:
+        pass  # then the stub finder stands in for it
     sys.meta_path.append(_StubFinder())
     _torch_npu()
     _SAVED.update({"Tensor.npu": getattr(torch.Tensor, "npu", _MISSING), "torch.npu": getattr(torch, "npu", _MISSING),
