@@ -15,7 +15,6 @@ import re
 import signal
 import sys
 import traceback
-from collections import Counter
 from pathlib import Path
 
 import click
@@ -401,12 +400,10 @@ def _calibrate_lines(e: dict, cal, workers: int) -> list[str]:
 
 def packed_source_line(p) -> str | None:
     """What becomes of a source's packed MXFP4 tensors (None for a BF16 source)."""
-    packed = Counter((t.scheme, t.repack) for t in p.tensors() if t.packed)
-    if not packed:
-        return None
-    ways = [f"{n:,} copied as they are (W4A8_MXFP: the source's own codes and scales, exact)" if repack
-            else f"{n:,} decoded exactly, then {scheme}" for (scheme, repack), n in sorted(packed.items())]
-    return f"source   MXFP4 tensors (compressed-tensors mxfp4-pack-quantized): {'; '.join(ways)}"
+    from .plan import packed_words
+
+    summary = p.packed_summary()
+    return f"source   {packed_words(summary)}" if summary else None
 
 
 def plan_summary(p, job: dict, work_dir=None) -> list[str]:

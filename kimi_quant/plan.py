@@ -23,7 +23,7 @@ from .quant import REGISTRY, get_codec
 from .recipe.recipe import FLOAT, Recipe
 from .source.base import Source
 from .source.safetensors import TensorInfo
-from .source.compressed import MXFP4, find_packed, mxfp4_nbytes
+from .source.compressed import MXFP4, MXFP4_FORMAT, find_packed, mxfp4_nbytes
 from .targets import Target
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -201,6 +201,16 @@ class Plan:
         the description's, which is 32 for the MX targets (their blocks are not int4 groups)."""
         return max((t.group_size for t in self.tensors()), default=0)
 
+    def packed_summary(self) -> dict | None:
+        """What became of a packed MXFP4 source's tensors (None for a BF16 source): how many were copied as
+        they are (W4A8_MXFP) and how many were decoded exactly for another scheme."""
+        packed = [t for t in self.tensors() if t.packed]
+        if not packed:
+            return None
+        decoded = Counter(t.scheme for t in packed if not t.repack)
+        return {"format": f"compressed-tensors {MXFP4_FORMAT}", "tensors": len(packed),
+                "copied": len(packed) - sum(decoded.values()), "decoded": dict(sorted(decoded.items()))}
+
     def source_order(self) -> list[str]:
         """Source shards in the order the units first need them."""
         seen: dict[str, None] = {}
@@ -263,6 +273,15 @@ MXFP4_PER_CHANNEL_INT4 = ("the source's experts are MXFP4 (a power-of-two scale 
                           "data-free int4 rounds a row's small-scale blocks to zero (~5x perplexity on a real "
                           "model put on the MXFP4 grid)")
 MXFP4_INT4_OPTIONS = "--calibrate (GPTQ, per channel: every loader reads it) or --group-size 32"
+
+
+def packed_words(summary: dict) -> str:
+    """``Plan.packed_summary`` (or a provenance's ``source_packing``) in words."""
+    ways = []
+    if summary.get("copied"):
+        ways.append(f"{summary['copied']:,} copied as they are (W4A8_MXFP: the source's own codes and scales, exact)")
+    ways += [f"{n:,} decoded exactly, then {scheme}" for scheme, n in (summary.get("decoded") or {}).items()]
+    return f"MXFP4 tensors ({summary.get('format')}): {'; '.join(ways)}"
 
 
 def check_mxfp4_source_rules(plan: "Plan", calibrated: bool) -> None:

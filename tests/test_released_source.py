@@ -157,6 +157,10 @@ def test_950dt_experts_are_the_source_bytes(released, decoded, tmp_path):
         assert torch.equal(out[base + ".weight"], src[base + ".weight_packed"]), base
         assert torch.equal(out[base + ".weight_scale"], src[base + ".weight_scale"]), base
         assert description[base + ".weight"] == "W4A8_MXFP"
+    provenance = json.loads((tmp_path / "out" / "kimi_quant_provenance.json").read_text())
+    assert provenance["source_packing"] == {"format": "compressed-tensors mxfp4-pack-quantized",
+                                            "tensors": len(pairs), "copied": len(pairs), "decoded": {}}
+    assert f"{len(pairs)} copied as they are" in (tmp_path / "out" / "README.md").read_text()
     _convert(decoded, tmp_path / "detour", "-t", "950dt")
     detour = _tensors(tmp_path / "detour", "quant_model_weights")
     for base in pairs:
@@ -204,6 +208,7 @@ def test_validate_reads_the_release_as_its_reference(released, decoded, tmp_path
         reports.append(json.loads((tmp_path / f"{ref.name}.json").read_text()))
     a, b = reports
     assert a["ppl_bf16"] == b["ppl_bf16"] and a["ppl_quant"] == b["ppl_quant"]
+    assert a["output_source_packing"]["copied"] == 240 and b["output_source_packing"] is None
 
 
 def test_synth_writes_the_released_layout_that_compressed_tensors_reads(tmp_path):

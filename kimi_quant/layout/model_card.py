@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP
+from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP, packed_words
 from ..progress import fmt_bytes
 from .ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 
@@ -121,7 +121,9 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
               f"| Model quant type | `{desc.get('model_quant_type', '?')}` (group size {desc.get('group_size', '?')}) |",
               f"| Recipe | `{recipe_name}`" + (f" (sha256 `{recipe_sha[:16]}`)" if recipe_sha else "") + " |",
               f"| Weights | {len(shards)} shards, {fmt_bytes(weights_bytes)}" +
-              (f" (BF16 source: {fmt_bytes(in_bytes)} in {len(inputs)} shards)" if in_bytes else "") + " |"]
+              (f" (source: {fmt_bytes(in_bytes)} in {len(inputs)} shards)" if in_bytes else "") + " |"]
+    if isinstance(prov.get("source_packing"), dict):
+        lines.append(f"| Source experts | {packed_words(prov['source_packing'])} |")
     if types:
         lines.append("| Tensors by type | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
     if "W4A8_DYNAMIC" in types:

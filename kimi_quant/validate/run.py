@@ -242,7 +242,8 @@ def run_validation(source_dir: str | Path, quant_dir: str | Path, calibration: s
         "source": str(source_dir),
         "quantized": str(quant_dir),
         "wall_s": round(time.time() - t0, 3),
-        "output_calibration": _output_calibration(quant_dir),
+        "output_calibration": _recorded(quant_dir, "calibration"),
+        "output_source_packing": _recorded(quant_dir, "source_packing"),
     }
     if json_path is not None:
         p = Path(json_path)
@@ -251,15 +252,16 @@ def run_validation(source_dir: str | Path, quant_dir: str | Path, calibration: s
     return report
 
 
-def _output_calibration(quant_dir: str | Path) -> dict | None:
-    """The calibration the output's provenance records (``convert --calibrate``), None for data-free."""
+def _recorded(quant_dir: str | Path, key: str) -> dict | None:
+    """What the output's provenance records under ``key`` (None where it has none, or no provenance):
+    its ``calibration`` (``convert --calibrate``), its ``source_packing`` (an MXFP4-packed source)."""
     from ..layout.ascend_v1 import PROVENANCE
 
     try:
-        cal = json.loads((Path(quant_dir) / PROVENANCE).read_text()).get("calibration")
+        value = json.loads((Path(quant_dir) / PROVENANCE).read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
-    return cal if isinstance(cal, dict) else None
+    return value if isinstance(value, dict) else None
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -282,4 +284,8 @@ def format_table(report: dict[str, Any]) -> str:
         from ..calibrate.config import describe
 
         lines.append(f"output: {describe(report['output_calibration'])}")
+    if report.get("output_source_packing"):
+        from ..plan import packed_words
+
+        lines.append(f"source experts: {packed_words(report['output_source_packing'])}")
     return "\n".join(lines)
