@@ -18,7 +18,6 @@ its ``index_*`` keys while the indexer tensors are gone (the official model has 
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib
 import importlib.util
 import json
@@ -316,6 +315,8 @@ def test_blocks_and_logits_match_the_official_code(official, checkpoints, varian
                 for j, blk in enumerate(st.blocks):
                     errors[i, f"block {j}"] = _rel(blk, ref_blocks[:, j].view(B, T, H))
     errors["logits"] = _rel(logits, ref_logits)
+    with torch.no_grad():
+        errors["logits, chunked KDA"] = _rel(_ours(ckpt, ids)[1], ref_logits)  # the validator's default path
     bad = {k: f"{v:.2e}" for k, v in errors.items() if not v < TOL}
     assert not bad, bad
     assert (logits.argmax(-1) == ref_logits.argmax(-1)).all()
@@ -384,8 +385,9 @@ def test_indexer_presence_comes_from_the_tensors(checkpoints):
     del fixture_cfg["text_config"]["index_topk"]
     no_topk = spec_from_config(fixture_cfg)
     assert not no_topk.text.has_indexer
-    with pytest.raises(KimiQuantError, match=r"^ckpt: tensor 'language_model\.model\.layers\.3\.self_attn\.indexer\.k_norm\.bias' belongs to a "
-                       r"DSA indexer, but config\.json has no index_topk to run it with$"):
+    with pytest.raises(KimiQuantError, match=r"^ckpt: tensor 'language_model\.model\.layers\.3\.self_attn\.indexer\."
+                                             r"k_norm\.bias' belongs to a DSA indexer, but config\.json has no "
+                                             r"index_topk to run it with$"):
         no_topk.for_tensors(names, "ckpt")
 
 
