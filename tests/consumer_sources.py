@@ -4,7 +4,8 @@
 
 Nothing is built or installed: the vLLM-Ascend sdist's and the SGLang wheel's Python files are unpacked
 and imported from there (with their NPU-only dependencies stubbed, see ``vllm_ascend_stubs.py`` and
-``sglang_stubs.py``), and msModelSlim's packing module is imported straight from its wheel. The cache
+``sglang_stubs.py``), msModelSlim's packing module is imported straight from its wheel, and the official
+Kimi K3 modeling code is unpacked from the llm-compressor wheel that ships a copy of it. The cache
 is ``$KIMI_QUANT_CONSUMER_CACHE`` (default ``~/.cache/kimi-quant/consumers``); a file already there with
 the right sha256 is reused.
 """
@@ -42,6 +43,10 @@ SGLANG = PinnedFile("sglang", "0.5.23", "sglang-0.5.23-cp311-cp311-manylinux_2_3
                     "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937")
 MSMODELSLIM = PinnedFile("msmodelslim", "26.1.0", "msmodelslim-26.1.0-py3-none-any.whl",
                          "2fbcfe268f15c3ec8b58d0b3f1eb721cff9e29ab692acd5878b542895ed3304e")
+#: moonshotai/Kimi-K3's remote modeling code (configuration_kimi_k3.py, modeling_kimi_linear.py, ...), as
+#: llm-compressor ships it under llmcompressor/modeling/kimi_k3/ (its header lists its few changes, none to the math)
+KIMI_K3_OFFICIAL = PinnedFile("llmcompressor", "0.14.0.1", "llmcompressor-0.14.0.1-py3-none-any.whl",
+                              "fedc804a45bf3e353b84b8181147474c324ffba3356c9ecebceae29dfc3c5f00")
 
 
 class Unavailable(Exception):
@@ -110,14 +115,14 @@ def vllm_ascend_source(pin: PinnedFile = VLLM_ASCEND) -> Path:
     return _unpacked(pin, f"vllm_ascend-{pin.version}", extract)
 
 
-def sglang_source(pin: PinnedFile = SGLANG) -> Path:
-    """Directory holding the ``sglang`` package of the pinned wheel (its .py files only, never installed)."""
+def unzip_py(pin: PinnedFile, under: str):
+    """An ``extract`` for :func:`_unpacked`: the .py members of the wheel below folder ``under``."""
     def extract(archive: Path, root: Path) -> None:
         with zipfile.ZipFile(archive) as z:
             for info in z.infolist():
                 name = info.filename
                 parts = name.split("/")
-                if info.is_dir() or not name.endswith(".py") or parts[0] != "sglang":
+                if info.is_dir() or not name.endswith(".py") or not name.startswith(under + "/"):
                     continue
                 # zip entries are plain names: refuse absolute ones, "..", backslashes and symlinks (mode in the
                 # upper 16 bits of external_attr, as unix zips record it)
@@ -128,7 +133,19 @@ def sglang_source(pin: PinnedFile = SGLANG) -> Path:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_bytes(z.read(info))
 
-    return _unpacked(pin, f"sglang-{pin.version}", extract)
+    return extract
+
+
+def sglang_source(pin: PinnedFile = SGLANG) -> Path:
+    """Directory holding the ``sglang`` package of the pinned wheel (its .py files only, never installed)."""
+    return _unpacked(pin, f"sglang-{pin.version}", unzip_py(pin, "sglang"))
+
+
+def kimi_k3_official_source(pin: PinnedFile = KIMI_K3_OFFICIAL) -> Path:
+    """Directory holding the official Kimi K3 modeling code's .py files (configuration_kimi_k3.py,
+    modeling_kimi_linear.py, ...): nothing else of the wheel is unpacked, nothing is installed."""
+    under = "llmcompressor/modeling/kimi_k3"
+    return _unpacked(pin, f"llmcompressor-{pin.version}", unzip_py(pin, under)).joinpath(*under.split("/"))
 
 
 def msmodelslim_wheel() -> Path:
@@ -146,3 +163,4 @@ if __name__ == "__main__":
         print(vllm_ascend_source(va))
     print(sglang_source())
     print(msmodelslim_wheel())
+    print(kimi_k3_official_source())

@@ -30,6 +30,8 @@ def _rand_layer(cfg, i, seed=0):
                 t = 1.0 + 0.1 * torch.randn(shape, generator=g)
             if rel.endswith("dt_bias"):
                 t = -3.0 + torch.randn(shape, generator=g)
+            if rel.endswith("A_log"):  # one value per head, zero padding (as the K3 release stores it)
+                t[cfg.kda_num_heads:] = 0
             w[rel] = t
     return w
 
@@ -320,6 +322,7 @@ def test_kda_low_rank_output_gate_and_softplus_decay():
     w = {n[len(L) - len("self_attn."):]: torch.randn(s, generator=g) * (s[-1] ** -0.5 if len(s) > 1 else 0.3)
          for n, (s, _) in names.items() if n.startswith(L)}
     h, d = c.kda_num_heads, c.kda_head_dim
+    w["self_attn.A_log"] = w["self_attn.A_log"][:h]  # the official module's [h] (the release pads it)
     x = torch.randn(1, 9, c.hidden_size, generator=g)
     got = fw.kda_attention(c, w, x, kda_impl="recurrent")
     # the same layer written out with the full-rank path fed the product g_b @ g_a

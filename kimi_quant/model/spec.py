@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import KimiQuantError
+from ..source.base import SINGLE_FILE, WEIGHT_INDEX
+from ..source.local import LocalSource
 from ..untrusted import parse_json
 
 SUPPORTED_FAMILIES = ("kimi_k3 (Kimi K3 / K3.1, with or without the DSA indexer)",
@@ -96,19 +99,28 @@ class TextConfig:
     kda_layers: tuple[int, ...]  # 1-based, as in config.json
     full_attn_layers: tuple[int, ...]  # 1-based
     attn_res_block_size: int | None
-    rms_norm_eps: float = 1e-5
+    # Defaults for absent keys are the official modeling code's (moonshotai's configuration_kimi_k3.py,
+    # KimiLinearConfig): a config that leaves a key out means what the model it was trained with does.
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"  # "situ": SiTU MLPs (K3); "silu": SwiGLU
     index_n_heads: int | None = None
     index_head_dim: int | None = None
     index_topk: int | None = None
+    # Whether the MLA layers carry a DSA indexer is the checkpoint's to say (K3 configs may keep index_*
+    # keys without indexer tensors; the official K3 code has no indexer): None until the tensor names are
+    # known (:meth:`ModelSpec.for_tensors`), and meanwhile the config's index_* keys decide.
+    dsa_indexer: bool | None = None
     routed_scaling_factor: float = 1.0
-    moe_renormalize: bool = True
-    situ_beta: float = 4.0
-    situ_linear_beta: float = 25.0
+    moe_renormalize: bool = True  # applied only when num_experts_per_token > 1 (as the official router)
+    situ_beta: float = 1.0  # activation_situ_beta; null or absent: 1.0
+    situ_linear_beta: float | None = None  # activation_situ_linear_beta; None: the up input is not squashed
     gate_lower_bound: float | None = -5.0  # None: softplus decay gate (Kimi Linear); else lb * sigmoid (K3)
-    latent_moe_use_norm: bool = True
+    latent_moe_use_norm: bool = False  # False: no routed_expert_norm tensor, no norm on the latent output
     use_full_rank_gate: bool = True  # KDA output gate: g_proj [P,H], or low-rank g_a_proj [d,H] + g_b_proj [P,d]
     mla_use_output_gate: bool = True
-    mla_kv_norm_eps: float | None = None  # eps of q_a/kv_a_layernorm; None: rms_norm_eps (Kimi Linear: 1e-6)
+    # eps of q_a_layernorm / kv_a_layernorm: the official modules build them without an eps argument, so
+    # RMSNorm's default applies whatever rms_norm_eps says (K3 and Kimi Linear alike)
+    mla_kv_norm_eps: float = 1e-6
     # router (DeepSeek-V3 "noaux_tc"): sigmoid scores, + e_score_correction_bias for the choice only,
     # experts in num_expert_group groups of which topk_group are kept (group score = sum of its top-2)
     num_expert_group: int = 1
@@ -148,16 +160,19 @@ class TextConfig:
                 kda_layers=_layer_list(lac, "kda_layers", layers),
                 full_attn_layers=_layer_list(lac, "full_attn_layers", layers),
                 attn_res_block_size=n("attn_res_block_size", None),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                rms_norm_eps=float(_first(d, "rms_norm_eps", default=1e-6)),
+                hidden_act=str(_first(d, "hidden_act", default="silu")),
                 index_n_heads=n("index_n_heads", None),
                 index_head_dim=n("index_head_dim", None),
                 index_topk=n("index_topk", None),
                 routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
                 moe_renormalize=bool(_first(d, "moe_renormalize", "norm_topk_prob", default=True)),
-                situ_beta=float(d.get("activation_situ_beta", 4.0)),
-                situ_linear_beta=float(d.get("activation_situ_linear_beta", 25.0)),
+                # the official SiTU takes ``beta or 1.0``: 0 and null mean 1.0 there too
+                situ_beta=float(d.get("activation_situ_beta") or 1.0),
+                situ_linear_beta=None if d.get("activation_situ_linear_beta") is None
+                else float(d["activation_situ_linear_beta"]),
                 gate_lower_bound=None if lac.get("gate_lower_bound") is None else float(lac["gate_lower_bound"]),
-                latent_moe_use_norm=bool(d.get("latent_moe_use_norm", True)),
+                latent_moe_use_norm=bool(d.get("latent_moe_use_norm", False)),
                 use_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
                 mla_use_output_gate=bool(d.get("mla_use_output_gate", False)),
                 num_expert_group=int(_first(d, "num_expert_group", "n_group", default=1)),
@@ -175,8 +190,6 @@ class TextConfig:
                                  f"{t.num_experts_per_token}: MoE layers need 1 <= num_experts_per_token <= num_experts")
         if t.kda_layers and not (t.kda_num_heads and t.kda_head_dim):
             raise KimiQuantError("config.json: linear_attn_config lists kda_layers but no num_heads / head_dim")
-        if t.has_indexer and not (t.index_n_heads and t.index_head_dim):
-            raise KimiQuantError("config.json: index_topk is set but index_n_heads / index_head_dim are not")
         return t
 
     # -- layer structure ------------------------------------------------------------------
@@ -191,7 +204,23 @@ class TextConfig:
 
     @property
     def has_indexer(self) -> bool:
-        return self.index_topk is not None
+        """The MLA layers select keys with a DSA indexer: the checkpoint has its tensors (once known),
+        else the config declares one completely (index_topk, index_n_heads and index_head_dim)."""
+        if self.dsa_indexer is not None:
+            return self.dsa_indexer
+        return None not in (self.index_topk, self.index_n_heads, self.index_head_dim)
+
+    def with_indexer_from(self, names: Iterable[str], prefix: str, where: str) -> "TextConfig":
+        """This config with ``dsa_indexer`` decided by the tensor ``names`` (full names, text prefix
+        ``prefix``): any ``...self_attn.indexer.*`` tensor means DSA. A checkpoint with indexer tensors
+        needs the config's index_topk / index_n_heads / index_head_dim to run them."""
+        example = min((n for n in names if n.startswith(prefix) and _INDEXER.match(n, len(prefix))), default=None)
+        if example is not None:
+            absent = [k for k in ("index_topk", "index_n_heads", "index_head_dim") if getattr(self, k) is None]
+            if absent:
+                raise KimiQuantError(f"{where}: tensor {example!r} belongs to a DSA indexer, but config.json has "
+                                     f"no {' / '.join(absent)} to run it with")
+        return dataclasses.replace(self, dsa_indexer=example is not None)
 
     @property
     def latent_size(self) -> int:
@@ -254,6 +283,7 @@ _ROLE_TABLE: list[tuple[str, str, str | None, bool, str | None]] = [
     (r"lm_head\.weight", "lm_head", None, True, None),
 ]
 _COMPILED = [(re.compile(p), role, mm, lin, fg) for p, role, mm, lin, fg in _ROLE_TABLE]
+_INDEXER = re.compile(_LAYER + r"self_attn\.indexer\.")
 #: every role ``ModelSpec.role`` can return (what recipe role keys may name)
 KNOWN_ROLES: tuple[str, ...] = tuple(sorted({r for _, r, *_ in _ROLE_TABLE} | {"mla.q_proj", "kda.g_proj", "vision", "other"}))
 _VISION = re.compile(r"(vision_tower|mm_projector|multi_modal_projector)\.")
@@ -294,6 +324,13 @@ class ModelSpec:
     def _is_kda_layer(self, layer: int | None) -> bool:
         return layer is not None and self.text.is_kda(layer) and not self.text.is_full_attn(layer)
 
+    def for_tensors(self, names: Iterable[str], where: str) -> "ModelSpec":
+        """This spec with what the checkpoint's tensor ``names`` decide (whether the MLA layers have a
+        DSA indexer); every loader of a real checkpoint goes through this."""
+        if self.text is None:
+            return self
+        return dataclasses.replace(self, text=self.text.with_indexer_from(names, self.prefix, where))
+
     def check_inventory(self, found: dict[str, tuple[tuple[int, ...], str]], where: str) -> None:
         """The checkpoint's tensors (name -> (shape, dtype)) are the ones config.json describes: each
         missing, extra, wrongly shaped or non-float tensor is refused in one line (a checkpoint that does
@@ -301,14 +338,15 @@ class ModelSpec:
         Vision-tower tensors are not modelled here and pass; a generic model (user recipe) is not checked."""
         if self.text is None:
             return
-        t = self.text
+        spec = self if self.text.dsa_indexer is not None else self.for_tensors(found, where)
+        t = spec.text
         moe_layers = max(0, t.num_hidden_layers - t.first_k_dense_replace)
         at_least = moe_layers * 3 * t.num_experts + t.num_hidden_layers * 8
         if at_least > 2 * len(found) + 1000:  # before enumerating what could be billions of names
             raise KimiQuantError(f"{where}: config.json describes at least {at_least} tensors (num_hidden_layers "
                                  f"{t.num_hidden_layers}, num_experts {t.num_experts}) but the checkpoint holds "
                                  f"{len(found)}: not this checkpoint's config")
-        expected = self.expected_tensors(with_vision=False)
+        expected = spec.expected_tensors(with_vision=False)
         text = {n: v for n, v in found.items() if not _VISION.match(n)}
         missing = sorted(set(expected) - set(text))
         extra = sorted(set(text) - set(expected))
@@ -320,7 +358,10 @@ class ModelSpec:
                                  "describes (wrong config, or a stray tensor)")
         for name, (shape, dtype) in sorted(text.items()):
             want = expected[name][0]
-            if tuple(shape) != want:
+            # A_log: the K3 release pads it to 128 heads, the official module holds [h]: either will do
+            # (the forward refuses a padding that is not zeros when it reads the values)
+            if tuple(shape) != want and not (name.endswith(".self_attn.A_log") and spec.family == "kimi_k3"
+                                             and tuple(shape) == (t.kda_num_heads,)):
                 raise KimiQuantError(f"{where}: tensor {name!r} has shape {list(shape)} but config.json implies "
                                      f"{list(want)}")
             if dtype not in ("BF16", "F16", "F32"):
@@ -328,7 +369,8 @@ class ModelSpec:
                                      f"(config.json's model has {expected[name][1]} here)")
 
     def expected_tensors(self, with_vision: bool = True) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Every tensor a checkpoint of this config holds: name -> (shape, safetensors dtype)."""
+        """Every tensor a checkpoint of this config holds: name -> (shape, safetensors dtype). A K3
+        checkpoint may also store ``A_log`` as [h] (the official module's shape); see check_inventory."""
         return expected_tensors(self.text, self.prefix, with_vision=with_vision and self.family == "kimi_k3",
                                 family=self.family)
 
@@ -336,7 +378,8 @@ class ModelSpec:
 def expected_tensors(t: TextConfig, prefix: str = "language_model.", with_vision: bool = True,
                      family: str = "kimi_k3") -> dict[str, tuple[tuple[int, ...], str]]:
     """Names, shapes and dtypes of a checkpoint of config ``t``. Kimi Linear (``family="kimi_linear"``)
-    stores ``A_log`` as [1, 1, h, 1] (FLA's layout) where K3 pads it to a multiple of 128 heads."""
+    stores ``A_log`` as [1, 1, h, 1] (FLA's layout); the K3 release pads it to a multiple of 128 heads
+    with zeros (the shape given here; [h] is accepted too)."""
     H, V = t.hidden_size, t.vocab_size
     out: dict[str, tuple[tuple[int, ...], str]] = {}
 
@@ -406,7 +449,8 @@ def expected_tensors(t: TextConfig, prefix: str = "language_model.", with_vision
             add(M + "gate.e_score_correction_bias", (E,), "F32")
             if t.routed_expert_hidden_size:
                 add(M + "routed_expert_down_proj.weight", (R, H))
-                add(M + "routed_expert_norm.weight", (R,))
+                if t.latent_moe_use_norm:
+                    add(M + "routed_expert_norm.weight", (R,))
                 add(M + "routed_expert_up_proj.weight", (H, R))
             for e in range(E):
                 add(M + f"experts.{e}.w1.weight", (I, R))
@@ -441,22 +485,40 @@ def spec_from_config(config: dict[str, Any], source: str = "config.json") -> Mod
                                  f"got {config.get('text_config')!r}")
         return ModelSpec("kimi_k3", TextConfig.from_dict(config["text_config"]), "language_model.", config)
     if model_type == "kimi_linear":
-        # Kimi Linear's MLA latent norms are built without an eps argument: RMSNorm's default 1e-6
-        # (moonshotai modeling_kimi.py, transformers kimi_linear), not rms_norm_eps
-        text = dataclasses.replace(TextConfig.from_dict(config), mla_kv_norm_eps=1e-6)
-        return ModelSpec("kimi_linear", text, "", config)
+        return ModelSpec("kimi_linear", TextConfig.from_dict(config), "", config)
     raise KimiQuantError(
         f"{source}: model_type {model_type!r} is not a supported family; supported: "
         f"{'; '.join(SUPPORTED_FAMILIES)} (or pass --recipe to convert another model)")
 
 
 def load_model_spec(source_dir: str | Path) -> ModelSpec:
+    """The spec of a local checkpoint: its config.json, and what its tensor names decide (when it has
+    safetensors weights; a directory with config.json only gets the config's reading)."""
     path = Path(source_dir) / "config.json"
     try:
         config = parse_json(path.read_bytes(), str(path))
     except FileNotFoundError:
         raise KimiQuantError(f"{path}: not found (a source needs config.json)") from None
-    return spec_from_config(config, str(path))
+    spec = spec_from_config(config, str(path))
+    names = _local_tensor_names(Path(source_dir)) if spec.text is not None else None
+    return spec if names is None else spec.for_tensors(names, str(source_dir))
+
+
+# an ascendV1 output lists its tensors here (layout/ascend_v1.py's INDEX; not imported: layout imports plan,
+# which imports this module)
+_OUTPUT_INDEX = "quant_model_weights.safetensors.index.json"
+
+
+def _local_tensor_names(root: Path) -> list[str] | None:
+    """The tensor names of the checkpoint in ``root``: a source's index or single file, else an ascendV1
+    output's index; None when there is none (or the output's index is unreadable: its loader says so)."""
+    if (root / WEIGHT_INDEX).is_file() or (root / SINGLE_FILE).is_file():
+        return list(LocalSource(root).weight_map())
+    if (root / _OUTPUT_INDEX).is_file():
+        index = LocalSource(root).read_json(_OUTPUT_INDEX)
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        return [str(n) for n in wm] if isinstance(wm, dict) else None
+    return None
 
 
 def load_model_spec_from_source(source, recipe_given: bool = False) -> ModelSpec:
@@ -465,8 +527,9 @@ def load_model_spec_from_source(source, recipe_given: bool = False) -> ModelSpec
     if not isinstance(config, dict):  # before config.get below
         raise KimiQuantError(f"{source.id}/config.json: expected a JSON object, got a {type(config).__name__}")
     try:
-        return spec_from_config(config, f"{source.id}/config.json")
+        spec = spec_from_config(config, f"{source.id}/config.json")
     except KimiQuantError:
         if not recipe_given or config.get("model_type") in ("kimi_k3", "kimi_linear"):
             raise
         return ModelSpec("generic", None, "", config)
+    return spec.for_tensors(source.weight_map(), source.id)

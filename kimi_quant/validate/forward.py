@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..errors import KimiQuantError
+from ..errors import BadCheckpoint, KimiQuantError
 from ..model.spec import TextConfig
 
 Weights = dict[str, torch.Tensor]
@@ -79,9 +79,8 @@ def unsupported(cfg: TextConfig) -> list[str]:
         out.append(f"use_grouped_topk false with num_expert_group {G} (consumers disagree on what that means)")
     if not 1 <= k <= E:
         out.append(f"num_experts_per_token {k} (must be 1..num_experts {E})")
-    act = raw.get("hidden_act", "situ")
-    if act not in ("situ", "silu"):
-        out.append(f"hidden_act {act!r} (only 'situ' and 'silu')")
+    if cfg.hidden_act not in ("situ", "silu"):
+        out.append(f"hidden_act {cfg.hidden_act!r} (only 'situ' and 'silu')")
     if raw.get("mla_use_nope") is False:
         out.append("mla_use_nope false (the MLA layers here apply no rotary embedding)")
     if raw.get("indexer_rope_interleave"):
@@ -142,9 +141,11 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
 
 
-def situ(a: torch.Tensor, b: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
-    """SiTU(a, b) = [beta*tanh(a/beta)*sigmoid(a)] * [linear_beta*tanh(b/linear_beta)]."""
-    return (beta * torch.tanh(a / beta) * torch.sigmoid(a)) * (linear_beta * torch.tanh(b / linear_beta))
+def situ(a: torch.Tensor, b: torch.Tensor, beta: float = 4.0, linear_beta: float | None = 25.0) -> torch.Tensor:
+    """SiTU(a, b) = [beta*tanh(a/beta)*sigmoid(a)] * [linear_beta*tanh(b/linear_beta)]; with
+    ``linear_beta`` None the second factor is b itself."""
+    up = b if linear_beta is None else linear_beta * torch.tanh(b / linear_beta)
+    return (beta * torch.tanh(a / beta) * torch.sigmoid(a)) * up
 
 
 class _Lin:
@@ -316,14 +317,28 @@ def kda_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, kda_im
     return lin(o.reshape(B, T, h * d), "self_attn.o_proj.weight")
 
 
+def kda_head_A_log(A_log: torch.Tensor, h: int, name: str) -> torch.Tensor:
+    """The h per-head values of a stored ``A_log``: [h] (the official module), [1, 1, h, 1] (FLA / Kimi
+    Linear) or padded past h with zeros (the K3 release pads to 128). Anything stored in the padding
+    means the tensor is not laid out as assumed, so it is refused rather than cut off."""
+    flat = A_log.reshape(-1)
+    tail = flat[h:]
+    if flat.numel() < h or bool(tail.detach().ne(0).any()):
+        why = f"only {flat.numel()} values" if flat.numel() < h else \
+            f"non-zero values past the first {h} (largest {float(tail.detach().abs().max()):.4g})"
+        raise BadCheckpoint(f"tensor {name!r} {list(A_log.shape)} has {why}: A_log holds one value per KDA head "
+                            f"({h}), optionally padded with zeros")
+    return flat[:h]
+
+
 def kda_decay(cfg: TextConfig, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """Per-channel log decay g <= 0 from the forget-gate projection f [B, T, h, d] (FLA's kda gate).
 
     With ``gate_lower_bound`` lb (K3): g = lb * sigmoid(exp(A_log) * (f + dt_bias)), in [lb, 0].
-    Without (Kimi Linear): g = -exp(A_log) * softplus(f + dt_bias). A_log holds one value per head,
-    stored [h] zero-padded (K3) or [1, 1, h, 1] (Kimi Linear); the first h are used."""
+    Without (Kimi Linear): g = -exp(A_log) * softplus(f + dt_bias). A_log holds one value per head
+    (:func:`kda_head_A_log`)."""
     h = f.shape[-2]
-    A = torch.exp(A_log.reshape(-1)[:h]).view(h, 1)
+    A = torch.exp(kda_head_A_log(A_log, h, "self_attn.A_log")).view(h, 1)
     z = f + dt_bias
     if cfg.gate_lower_bound is None:
         return -A * F.softplus(z)
@@ -378,7 +393,7 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
     lin = _Lin(w, act)
     B, T, _ = x.shape
     nh, dn, dr, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    eps = cfg.rms_norm_eps if cfg.mla_kv_norm_eps is None else cfg.mla_kv_norm_eps
+    eps = cfg.mla_kv_norm_eps
     if cfg.q_lora_rank is None:  # Kimi Linear: one q_proj, no query latent (and so no DSA indexer)
         qr = None
         q = lin(x, "self_attn.q_proj.weight").view(B, T, nh, dn + dr)
@@ -392,7 +407,7 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
     k_nope, v = kv[..., :dn], kv[..., dn:]
     k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(B, T, nh, dr)], dim=-1)
     scores = torch.einsum("bshd,bthd->bhst", q, k) * (dn + dr) ** -0.5
-    if cfg.has_indexer and qr is not None and "self_attn.indexer.wq_b.weight" in w:
+    if cfg.has_indexer and qr is not None:
         keep = topk_mask(indexer_scores(cfg, w, x, qr, act), int(cfg.index_topk)).unsqueeze(1)
     else:
         keep = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
@@ -407,8 +422,8 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
 # MLPs: dense SiTU MLP, sigmoid router, latent MoE
 # ------------------------------------------------------------------------------------------------
 def _glu(cfg: TextConfig, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """SiTU for K3 (``hidden_act: situ``); SwiGLU for configs that say ``silu`` (Kimi Linear)."""
-    if cfg.raw.get("hidden_act") == "silu":
+    """SiTU for K3 (``hidden_act: situ``); SwiGLU for ``silu`` (Kimi Linear, and the official default)."""
+    if cfg.hidden_act == "silu":
         return F.silu(a) * b
     return situ(a, b, cfg.situ_beta, cfg.situ_linear_beta)
 
@@ -426,7 +441,8 @@ def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Te
     s = sigmoid(x W^T); the choice uses s + e_score_correction_bias. With ``num_expert_group`` G > 1
     the experts form G equal groups, a group scores the sum of its two best biased scores, and only
     the ``topk_group`` best groups compete for the top k. Weights are the unbiased s of the chosen
-    experts, renormalized if ``moe_renormalize``, times ``routed_scaling_factor``."""
+    experts, renormalized if ``moe_renormalize`` and k > 1 (a lone expert keeps its score, as in the
+    official router), times ``routed_scaling_factor``."""
     s = torch.sigmoid(F.linear(x, gate_w))
     choice = s + bias
     G = cfg.num_expert_group
@@ -438,7 +454,7 @@ def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Te
         choice = grouped.masked_fill(~keep.unsqueeze(-1), -math.inf).flatten(-2)
     idx = choice.topk(cfg.num_experts_per_token, dim=-1).indices
     wts = s.gather(-1, idx)
-    if cfg.moe_renormalize:
+    if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
         wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20)
     return idx, wts * cfg.routed_scaling_factor
 
@@ -595,6 +611,7 @@ def _layer_attn(cfg: TextConfig, i: int, w: Weights, state: State, act, kda_impl
         p = None
     hn = rmsnorm(h, w["input_layernorm.weight"], eps)
     if cfg.is_kda(i) and not cfg.is_full_attn(i):
+        kda_head_A_log(w["self_attn.A_log"], cfg.kda_num_heads, f"model.layers.{i}.self_attn.A_log")  # named refusal
         a = kda_attention(cfg, w, hn, act, kda_impl, chunk_size)
     else:
         a = mla_attention(cfg, w, hn, act)
