@@ -31,21 +31,22 @@ def make_checkpoint(out: str | Path, text_overrides: dict | None = None, seed: i
     """
     from kimi_quant.model.presets import preset_config
     from kimi_quant.model.spec import spec_from_config
-    from kimi_quant.model.synth import _assign_shards, _random_tensor
+    from kimi_quant.model.synth import _assign_shards, random_tensor
     from kimi_quant.write import ShardWriter, write_json_atomic
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = preset_config("tiny")
     config["text_config"].update(text_overrides or {})
-    tensors = spec_from_config(config).expected_tensors()
+    spec = spec_from_config(config)
+    tensors = spec.expected_tensors()
     shards = _assign_shards(tensors, 0, scatter=scatter)
     weight_map, total = {}, 0
     for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         w = ShardWriter(out / file, [(n, tensors[n][1], tensors[n][0]) for n in names])
         for n in names:
-            arr = _random_tensor(n, tensors[n][0], tensors[n][1], seed)
+            arr = random_tensor(n, tensors[n][0], tensors[n][1], seed, spec.text.kda_num_heads)
             w.write(n, arr)
             weight_map[n] = file
             total += arr.nbytes

@@ -45,12 +45,17 @@ def _copy_tokenizer(out: Path) -> None:
             shutil.copy(tok / name, out / name)
 
 
-def _random_tensor(name: str, shape: tuple[int, ...], dtype: str, seed: int) -> np.ndarray:
+def random_tensor(name: str, shape: tuple[int, ...], dtype: str, seed: int, kda_heads: int = 0) -> np.ndarray:
+    """Seeded random values for tensor ``name``, by kind (norms 1, biases and residual projections 0, weights
+    scaled by fan-in). A 1-D ``A_log`` longer than ``kda_heads`` is padded with zeros, as the K3 release
+    stores it (the official code reads only the first h)."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     if "norm" in name or name.endswith("k_norm.bias"):
         x = np.ones(shape, np.float32) if not name.endswith("bias") else np.zeros(shape, np.float32)
     elif name.endswith("A_log"):
         x = np.log(rng.uniform(1, 16, size=shape)).astype(np.float32)
+        if len(shape) == 1 and kda_heads:
+            x[kda_heads:] = 0
     elif name.endswith(("dt_bias", "e_score_correction_bias")) or "res_proj" in name:
         x = np.zeros(shape, np.float32)
     else:
@@ -183,7 +188,9 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
         _copy_tokenizer(out)
         return write_header_only(config, out, shard_size, experts)
     tensors, packed = _inventory(config, experts)
-    logical = spec_from_config(config).expected_tensors()
+    spec = spec_from_config(config)
+    logical = spec.expected_tensors()
+    heads = spec.text.kda_num_heads
     fixture = None if (random_weights or num_experts) else fixture_dir(preset)
     reader = SafetensorsReader(fixture / "model.safetensors") if fixture else None
     shards = _assign_shards(tensors, shard_size, scatter=4 if preset == "tiny" else 0)
@@ -196,7 +203,7 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
     def mx_part(part: str) -> np.ndarray:
         name = packed_parts[part]
         if name not in pending:
-            w = reader.array(name) if reader is not None else _random_tensor(name, *logical[name], seed)
+            w = reader.array(name) if reader is not None else random_tensor(name, *logical[name], seed, heads)
             mx = get_codec("W4A8_MXFP").quantize_bf16(np.ascontiguousarray(w))
             base = name[: -len(".weight")]
             pending[name] = {base + CODES_SUFFIX: mx["weight"], base + SCALES_SUFFIX: mx["weight_scale"]}
@@ -220,7 +227,7 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
                 if nm in packed_parts:  # a routed expert put on the MXFP4 grid, stored as codes and scales
                     arr = mx_part(nm)
                 else:
-                    arr = reader.array(nm) if reader is not None else _random_tensor(nm, shape, dt, seed)
+                    arr = reader.array(nm) if reader is not None else random_tensor(nm, shape, dt, seed, heads)
                 writer.write(nm, arr)
                 weight_map[nm] = file
                 total += arr.nbytes

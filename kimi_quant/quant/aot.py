@@ -40,13 +40,15 @@ from ..cache import cache_dir, cpu_id
 
 #: The exported kernels: name -> the argument kinds of its one signature. "w": the weights' bf16 bits,
 #: uint16 [N, K] (typed read-only: pycc accepts a writable array there too, and the kernels never write
-#: it); "i64"/"f32": scalars; other entries: a writable C-contiguous 2-D output of that dtype.
+#: it); "r_uint8": a uint8 [.., ..] input (typed read-only likewise); "i64"/"f32": scalars; other entries: a
+#: writable C-contiguous 2-D output of that dtype.
 EXPORTS = {
     "int8_kernel": ("w", "int8", "float32"),
     "int4_kernel": ("w", "int8", "float32", "float32"),
     "int4_group_kernel": ("w", "i64", "i64", "int8", "float32", "float32"),
     "mxfp4_kernel": ("w", "uint8", "uint8", "f32"),
     "mxfp8_kernel": ("w", "uint8", "uint8", "f32"),
+    "mxfp4_decode_kernel": ("r_uint8", "r_uint8", "uint16"),
 }
 #: What the key covers besides the versions: the sources the compiled code comes from.
 _SOURCES = ("kernels.py", "numerics.py", "aot.py")
@@ -169,6 +171,8 @@ def _numba_type(kind: str):
 
     if kind == "w":
         return types.Array(types.uint16, 2, "C", readonly=True)
+    if kind == "r_uint8":
+        return types.Array(types.uint8, 2, "C", readonly=True)
     if kind == "i64":
         return types.int64
     if kind == "f32":
@@ -213,6 +217,8 @@ def _build(k: str, path: Path) -> None:
 def _fits(kind: str, a) -> bool:
     if kind == "w":
         return isinstance(a, np.ndarray) and a.dtype == np.uint16 and a.ndim == 2 and a.flags.c_contiguous
+    if kind == "r_uint8":
+        return isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.ndim == 2 and a.flags.c_contiguous
     if kind == "i64":
         return isinstance(a, (int, np.integer)) and not isinstance(a, bool) and -2**63 <= a < 2**63
     if kind == "f32":
@@ -222,7 +228,7 @@ def _fits(kind: str, a) -> bool:
 
 
 def _describe(kinds: tuple[str, ...]) -> str:
-    words = {"w": "uint16 bf16 bits [N, K]", "i64": "an int", "f32": "a float"}
+    words = {"w": "uint16 bf16 bits [N, K]", "r_uint8": "uint8 [.., ..]", "i64": "an int", "f32": "a float"}
     return ", ".join(words.get(k, f"writable {k} [.., ..]") for k in kinds)
 
 

@@ -761,6 +761,34 @@ def gptq_int_block(WT, ST, U1, qmin, qmax, CT, ET):
                 wj[n] = np.float32(wj[n] - np.float32(ei[n] * u))
 
 
+#: bf16 bits of the E2M1 value of each code 0..15 (bit 3 the sign)
+_E2M1_BF16_BITS = (_E2M1.view(np.uint32) >> 16).astype(np.uint16)
+_E2M1_BF16_BITS = np.concatenate([_E2M1_BF16_BITS, _E2M1_BF16_BITS | np.uint16(0x8000)])
+
+
+@njit(cache=True)
+def mxfp4_decode_kernel(codes, scales, out):
+    """MXFP4 codes (uint8 [N, K/2], the even element in the low nibble) and E8M0 scales (uint8 [N, K/32])
+    -> the exact values as bf16 bits (uint16 [N, K]): each code's bf16 bits with the block's exponent
+    added to the exponent field (zeros keep theirs). The caller keeps the scales where every product is
+    a normal bf16 (``mx_schemes.decode_mxfp4_bf16``). Returns -1."""
+    n, half = codes.shape
+    lut = _E2M1_BF16_BITS
+    for i in range(n):
+        crow = codes[i]
+        orow = out[i]
+        for b in range(half // 16):
+            shift = np.int32(scales[i, b]) - 127
+            for j in range(16):
+                c = crow[b * 16 + j]
+                for h in range(2):
+                    v = np.int32(lut[(c >> (4 * h)) & 15])
+                    if v & 0x7F80:
+                        v += shift << 7
+                    orow[2 * (b * 16 + j) + h] = np.uint16(v)
+    return -1
+
+
 def warmup(writable: bool = True) -> None:
     """Compile (or load from the numba cache) every conversion kernel on a tiny input. Not
     ``gptq_int_block``: it runs only on the calibrated path, in the driver, which loads it on first
@@ -782,3 +810,7 @@ def _warm(w) -> None:
                           np.empty((2, chunks), np.float32))
     mxfp4_kernel(w, np.empty((2, 16), np.uint8), np.empty((2, 1), np.uint8))
     mxfp8_kernel(w, np.empty((2, 32), np.uint8), np.empty((2, 1), np.uint8))
+    codes, scales = np.zeros((2, 16), np.uint8), np.full((2, 1), 127, np.uint8)
+    codes.setflags(write=w.flags.writeable)
+    scales.setflags(write=w.flags.writeable)
+    mxfp4_decode_kernel(codes, scales, np.empty((2, 32), np.uint16))

@@ -113,24 +113,16 @@ def decode_mxfp4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return np.asarray(W4A8MXFP().dequantize({"weight": codes, "weight_scale": scales}), dtype=np.float32)
 
 
-#: bf16 bits of both E2M1 values a packed byte holds (the even element in the low nibble), as one
-#: little-endian uint32: a lookup of the codes, viewed as uint16, is the pair in element order
-_E2M1_BF16 = f32_to_bf16(nm.e2m1_to_f32(np.arange(16, dtype=np.uint8)))
-_BYTE_TO_BF16_PAIR = (_E2M1_BF16[np.arange(256) & 15].astype(np.uint32)
-                      | (_E2M1_BF16[np.arange(256) >> 4].astype(np.uint32) << 16))
 #: scale bytes for which every E2M1 value times 2^(byte-127) is a normal bf16 (0.5 = 2^-1 ... 6 < 2^3)
 _NORMAL_SCALES = (2, 252)
 
 
 def decode_mxfp4_bf16(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """``decode_mxfp4`` as bf16 bit patterns (uint16 [N, K]), which hold every MXFP4 value exactly
-    (1-bit mantissas): the codes' bf16 bits with the block's exponent added to the exponent field.
+    (1-bit mantissas): the codes' bf16 bits with the block's exponent added (``mxfp4_decode_kernel``).
     Scales whose products would leave bf16's normal range take the exact float path."""
-    n = codes.shape[0]
     if scales.size and (int(scales.min()) < _NORMAL_SCALES[0] or int(scales.max()) > _NORMAL_SCALES[1]):
         return f32_to_bf16(decode_mxfp4(codes, scales))
-    bits = _BYTE_TO_BF16_PAIR[codes].view(np.uint16).reshape(n, -1)
-    blocks = bits.reshape(n, -1, BLOCK)
-    shift = ((scales.astype(np.int32) - 127) << 7).astype(np.uint16)  # mod 2^16: a negative one subtracts
-    np.add(blocks, shift[..., None], out=blocks, where=(blocks & 0x7F80) != 0)  # zeros keep their bits
-    return bits
+    out = np.empty((codes.shape[0], 2 * codes.shape[1]), dtype=np.uint16)
+    load_kernels().mxfp4_decode_kernel(np.ascontiguousarray(codes), np.ascontiguousarray(scales), out)
+    return out
