@@ -683,13 +683,23 @@ def demo(ctx, output, do_validate):
         run_synth("tiny", src, overwrite=True)
     click.echo(f"source: {src} (bundled tiny K3.1-shaped model)")
     for target in ("a3", "950dt"):
-        dest = out / f"tiny-{target}"
-        click.echo(f"\n== convert --target {target} -> {dest}")
-        ctx.invoke(convert, source=str(src), target=target, recipe=None, overrides=(), max_shard_size=parse_size("1MB"),
-                   revision=None, group_size=None, output=str(dest), workers=None, executor="local", ray_address=None,
-                   overwrite=False, work_dir=None, max_disk=None, keep_source=False, do_validate=do_validate, max_ppl_increase=None,
-                   push_to=None, hash_inputs=False, quiet=False)
-        ctx.invoke(verify, output=str(dest), no_rehash=False)
+        _demo_convert(ctx, src, out / f"tiny-{target}", target, do_validate)
+    released = out / "tiny-released"
+    if not (released / "config.json").exists():
+        run_synth("tiny", released, overwrite=True, experts="mxfp4")
+    click.echo(f"\nsource: {released} (the same model as Kimi K3 is published: MXFP4 routed experts)")
+    _demo_convert(ctx, released, out / "tiny-released-950dt", "950dt", do_validate)
+    click.echo(f"\noutputs in {out}/: tiny-a3, tiny-950dt, tiny-released-950dt (each with its README.md model card)."
+               f"\nnext: kimi-quant plan SOURCE --target 950dt, for your checkpoint (a local directory or a hub id)")
+
+
+def _demo_convert(ctx, src: Path, dest: Path, target: str, do_validate: bool) -> None:
+    click.echo(f"\n== convert --target {target} -> {dest}")
+    ctx.invoke(convert, source=str(src), target=target, recipe=None, overrides=(), max_shard_size=parse_size("1MB"),
+               revision=None, group_size=None, output=str(dest), workers=None, executor="local", ray_address=None,
+               overwrite=False, work_dir=None, max_disk=None, keep_source=False, do_validate=do_validate,
+               max_ppl_increase=None, push_to=None, hash_inputs=False, quiet=False)
+    ctx.invoke(verify, output=str(dest), no_rehash=False)
 
 
 def _register_optional_commands() -> None:
