@@ -571,7 +571,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     if push_to:
         from .publish import publish as run_publish
 
-        run_publish(res.out_dir, push_to)
+        run_publish(res.out_dir, push_to, echo=lambda m: click.echo(m, err=True))
 
 
 def _validate_after(source, out_dir, max_ppl_increase, quiet):

@@ -104,7 +104,18 @@ def plan_options(plan: Plan, opts: ConvertOptions) -> dict:
     return {"source": plan.source, "target": plan.target,
             "recipe": str(Path(opts.recipe).resolve()) if opts.recipe else None, "overrides": list(opts.overrides),
             "max_shard_size": plan.max_shard_size, "revision": plan.revision,
-            "group_size": opts.group_size}  # None when not given: journals from before it stay equal
+            "group_size": opts.group_size,  # None when not given: journals from before it stay equal
+            **({"calibrate": calibrate_options(opts.calibrate)} if opts.calibrate is not None else {})}
+
+
+def calibrate_options(cfg) -> dict:
+    """--calibrate's settings as the journal records them (``journal.CALIB_OPTIONS``); a calibration file
+    by its absolute path, so the command that finishes the output works from any directory."""
+    text = cfg.calibration
+    if not text.startswith("builtin:") and Path(text).expanduser().exists():
+        text = str(Path(text).expanduser().resolve())
+    return {"calibration": text, "tokens": cfg.tokens, "act_order": cfg.act_order, "damp": cfg.damp,
+            "min_expert_tokens": cfg.min_expert_tokens}
 
 
 def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = (),

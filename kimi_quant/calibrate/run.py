@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import KimiQuantError
-from ..layout.ascend_v1 import PROVENANCE
+from ..layout.ascend_v1 import CALIB_STATE, PROVENANCE
 from ..model.spec import load_model_spec_from_source
 from ..plan import Plan, TensorPlan, UnitPlan
 from ..quant import get_codec
@@ -51,7 +51,7 @@ from .config import MIN_TOKENS, CalibConfig, describe  # noqa: F401  (describe: 
 from .hessian import HessianCollector
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
-STATE_FILE = "kimi_quant_calib_state.safetensors"
+STATE_FILE = CALIB_STATE
 
 
 # -- calibration text ------------------------------------------------------------------------------
