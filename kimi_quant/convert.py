@@ -308,9 +308,13 @@ class _Resume:
     claimed: dict[str, str]  # local files whose sha256 only a huggingface_hub record claims
 
 
-def _resume(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions) -> _Resume:
+def _resume(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions,
+            all_inputs: bool = False) -> _Resume:
+    """``all_inputs``: every output shard depends on every source shard (a calibrated run: a layer's
+    Hessians come from the embedding and every layer before it), so a change to any redoes them all."""
     entries = {f.name: f for f in source.files() if f.name in plan.inputs}
-    made_from = {u.file: {f: entries[f].identity for f in u.needs} for u in plan.units}
+    made_from = {u.file: {f: entries[f].identity for f in (sorted(plan.inputs) if all_inputs else u.needs)}
+                 for u in plan.units}
     done = journal.verified_units(out_dir, made_from, quiet=opts.quiet)
     todo = [u for u in plan.units if u.file not in done]
     if todo:  # shards will change: until the run ends the output must not look loadable (nor validated)
