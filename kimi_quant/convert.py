@@ -360,6 +360,9 @@ def _finish(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: C
     journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
     write_metadata_files(out_dir, plan, source, prov, copied)
     journal.mark_complete([n for n in around if n not in (PROVENANCE, CARD)])  # validate rewrites these
+    from .validate.gate import rebind_validation
+
+    rebind_validation(out_dir, journal)  # a carried validation stands only while it measured these very files
 
 
 def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,

@@ -233,8 +233,11 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     config = _load_json(out_dir, "config.json")
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise _fail(out_dir, "config.json still has quantization_config")
+    from .validate.gate import validation_void
+
+    void = validation_void(out_dir, journal, prov)  # a verdict about other files, or not covered: not this output's
     return {"shards": len(files), "tensors": len(shapes), "bytes": total,
             "model_quant_type": desc["model_quant_type"],
             "model_quant_type_meaning": model_quant_type_meaning(desc["model_quant_type"], set(tensor_types.values())),
-            "validation": prov.get("validation")}
+            "validation": None if void else prov.get("validation"), "validation_void": void}
 

@@ -25,6 +25,8 @@ VALIDATION = "kimi_quant_validation.json"
 CALIB_STATE = "kimi_quant_calib_state.safetensors"
 MAX_COPIED_FILE = 64 * 1024 * 1024  # "small files": configs, code, tokenizer, docs
 OWN_FILES = (INDEX, DESCRIPTION, PROVENANCE, VALIDATION)
+#: what the provenance and the card say of a local source directory
+LOCAL_SOURCE = "local checkpoint"
 
 
 def clean_config(config: dict) -> dict:
@@ -93,7 +95,9 @@ def provenance(plan: Plan, inputs: dict[str, dict], units: dict[str, dict]) -> d
         "tool": "kimi-quant",
         "tool_version": __version__,
         "format": "ascendV1",
-        "source": plan.source,
+        # a hub repo id names the source for anyone; a local path names only someone's disk (published, it
+        # would show their directory layout): the journal, which stays local, keeps it for resuming
+        "source": plan.source if plan.revision else LOCAL_SOURCE,
         "revision": plan.revision,
         "target": plan.target,
         "recipe": plan.recipe,

@@ -150,6 +150,8 @@ def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card
         if rel in NOT_UPLOADED or rel == OUTPUT_LOCK:
             continue
         wanted = rel in ours and not any(part.startswith(".") for part in rel.split("/"))
+        if rel == VALIDATION and verify_summary is not None and verify_summary.get("validation_void"):
+            continue  # a report of other files (verify said why): not this output's
         if not wanted and not any(fnmatch.fnmatchcase(rel, pat) for pat in include):
             if left_out is not None:
                 left_out.append(rel)
@@ -193,6 +195,9 @@ def publish(output_dir, repo_id: str, private: bool = True, branch: str | None =
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
     branch = branch or "main"
+    if summary is not None and summary.get("validation_void"):
+        say(f"not publishing the recorded validation: {summary['validation_void']} (`kimi-quant validate` measures "
+            "this output)")
     left_out: list[str] = []
     items = upload_set(output_dir, repo_id, summary, card=card, include=tuple(include), left_out=left_out)
     if left_out:
