@@ -1,6 +1,9 @@
 """Publish a verified ascendV1 output directory to a Hugging Face hub repo (or any HF_ENDPOINT).
 
 * Refuses an output that is incomplete or fails verification (``kimi_quant.verify.verify_output``).
+* Uploads what kimi-quant wrote into the output on purpose, as its journal lists it (``upload_set``);
+  anything else there (a key, a core dump, notes) is named and left out unless ``include`` names it.
+  A new repo is private unless ``private=False`` (``--public``).
 * Uploads only what the remote branch lacks: each local file is compared with the remote one
   (LFS sha256 for weights, git blob sha1 for small files, from the branch's file list), so a re-run
   after an interruption or a completed publish uploads nothing already there. LFS objects an
@@ -34,10 +37,10 @@ from pathlib import Path
 from ..errors import KimiQuantError
 from ..hashing import sha256_file
 from ..journal import JOURNAL, Journal
-from ..lock import OUTPUT_LOCK
 from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 from ..layout.model_card import CARD, SOURCE_README, is_ours, model_card as _card
 from ..layout.model_card import read_json as _read_json
+from ..lock import OUTPUT_LOCK
 from ..progress import fmt_bytes
 from ..source.hub import retry_after
 from ..untrusted import inside
