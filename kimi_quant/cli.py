@@ -103,6 +103,8 @@ class _Group(click.Group):
             self._fail(ctx, e.format_message() + where, 2)
         except click.ClickException as e:
             self._fail(ctx, e.format_message(), 2)
+        except BrokenPipeError:  # the reader left (``| head -1``): nothing to say, as any filter would
+            _quiet_broken_pipe()
         except OSError as e:  # unwritable or missing paths: the user's to fix, not a bug
             self._fail(ctx, _os_message(e), 2)
         except KeyboardInterrupt as e:
@@ -118,6 +120,15 @@ class _Group(click.Group):
             traceback.print_exc()  # called from an except block: the exception being handled
         click.echo(f"kimi-quant: error: {message}", err=True)
         sys.exit(code)
+
+
+def _quiet_broken_pipe() -> None:
+    """Exit as a process killed by SIGPIPE would (128 + 13), with stdout pointed at /dev/null so that the
+    interpreter's final flush into the closed pipe says nothing either."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(128 + signal.SIGPIPE)
 
 
 @contextlib.contextmanager
@@ -583,7 +594,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     if push_to:
         from .publish import publish as run_publish
 
-        run_publish(res.out_dir, push_to)
+        run_publish(res.out_dir, push_to, echo=lambda m: click.echo(m, err=True))
 
 
 def _validate_after(source, out_dir, max_ppl_increase, quiet):
@@ -596,7 +607,7 @@ def _validate_after(source, out_dir, max_ppl_increase, quiet):
         report = run_validation(source, out_dir, progress=False)
         if not quiet:
             click.echo(format_table(report))
-        record(out_dir, report, max_ppl_increase)
+        record(out_dir, report, max_ppl_increase, source=source if Path(source).expanduser().is_dir() else None)
     finally:
         lock.release()
 
@@ -626,6 +637,9 @@ def verify(output, no_rehash):
         bound = f", bound {v['max_ppl_increase_pct']}%" if v.get("max_ppl_increase_pct") is not None else ", no bound"
         click.echo(f"validated: perplexity {(v['ratio'] - 1) * 100:+.2f}% vs BF16 ({v['ppl_bf16']:.4f} -> "
                    f"{v['ppl_quant']:.4f}{bound})")
+    elif r.get("validation_void"):
+        click.echo(f"not validated: the recorded validation is void ({r['validation_void']}); kimi-quant validate "
+                   "BF16_DIR OUTPUT measures this output")
     elif not v:
         click.echo("not validated (kimi-quant validate BF16_DIR OUTPUT measures perplexity)")
 
@@ -721,6 +735,8 @@ def run() -> None:
     process pool's exit handler joins its threads) would kill a finished run by SIGINT, saying nothing."""
     try:
         main()
+    except BrokenPipeError:  # click's own output (--help, usage) into a closed pipe
+        _quiet_broken_pipe()
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 

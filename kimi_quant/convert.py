@@ -108,7 +108,18 @@ def plan_options(plan: Plan, opts: ConvertOptions) -> dict:
     return {"source": plan.source, "target": plan.target,
             "recipe": str(Path(opts.recipe).resolve()) if opts.recipe else None, "overrides": list(opts.overrides),
             "max_shard_size": plan.max_shard_size, "revision": plan.revision,
-            "group_size": opts.group_size}  # None when not given: journals from before it stay equal
+            "group_size": opts.group_size,  # None when not given: journals from before it stay equal
+            **({"calibrate": calibrate_options(opts.calibrate)} if opts.calibrate is not None else {})}
+
+
+def calibrate_options(cfg) -> dict:
+    """--calibrate's settings as the journal records them (``journal.CALIB_OPTIONS``); a calibration file
+    by its absolute path, so the command that finishes the output works from any directory."""
+    text = cfg.calibration
+    if not text.startswith("builtin:") and Path(text).expanduser().exists():
+        text = str(Path(text).expanduser().resolve())
+    return {"calibration": text, "tokens": cfg.tokens, "act_order": cfg.act_order, "damp": cfg.damp,
+            "min_expert_tokens": cfg.min_expert_tokens}
 
 
 def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = (),
@@ -302,9 +313,13 @@ class _Resume:
     claimed: dict[str, str]  # local files whose sha256 only a huggingface_hub record claims
 
 
-def _resume(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions) -> _Resume:
+def _resume(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions,
+            all_inputs: bool = False) -> _Resume:
+    """``all_inputs``: every output shard depends on every source shard (a calibrated run: a layer's
+    Hessians come from the embedding and every layer before it), so a change to any redoes them all."""
     entries = {f.name: f for f in source.files() if f.name in plan.inputs}
-    made_from = {u.file: {f: entries[f].identity for f in u.needs} for u in plan.units}
+    made_from = {u.file: {f: entries[f].identity for f in (sorted(plan.inputs) if all_inputs else u.needs)}
+                 for u in plan.units}
     done = journal.verified_units(out_dir, made_from, quiet=opts.quiet)
     todo = [u for u in plan.units if u.file not in done]
     if todo:  # shards will change: until the run ends the output must not look loadable (nor validated)
@@ -350,6 +365,9 @@ def _finish(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: C
     journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
     write_metadata_files(out_dir, plan, source, prov, copied)
     journal.mark_complete([n for n in around if n not in (PROVENANCE, CARD)])  # validate rewrites these
+    from .validate.gate import rebind_validation
+
+    rebind_validation(out_dir, journal)  # a carried validation stands only while it measured these very files
 
 
 def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,

@@ -23,7 +23,9 @@ codecs bounds the run instead), and the few per cent that splitting the last sha
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import logging
 import math
 import os
 import platform
@@ -38,6 +40,8 @@ from . import __version__
 from .cache import cache_dir, cpu_id, cpu_key
 from .plan import Plan
 from .recipe.recipe import FLOAT
+
+log = logging.getLogger(__name__)
 
 #: the sample each codec quantizes: a real expert row length (K = 3584), 1024 rows (~7 MB of BF16)
 SAMPLE_SHAPE = (1024, 3584)
@@ -166,28 +170,61 @@ def rates_path() -> Path:
     return cache_dir() / "codec_rates.json"
 
 
+def _rates_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _stored_rates(path: Path) -> Rates | None:
+    """The rates stored at ``path`` if they are whole, of this file's own digest, and plausible
+    (positive finite seconds per byte, strings where strings go), else None. The cache is private
+    (``cache.private_dir``), so a file that fails is damaged: it is measured again, with one warning."""
+    from .cache import read_private
+
+    data = read_private(path)
+    if data is None:
+        if os.path.lexists(path):
+            log.warning("kimi-quant: warning: %s is not a plain file of yours (or is too large): measuring the "
+                        "codec rates again", path)
+        return None
+    try:
+        d = json.loads(data.decode("utf-8"))
+        if not isinstance(d, dict):
+            raise ValueError("not an object")
+        recorded = d.pop("sha256", None)
+        if recorded != _rates_digest(d):
+            raise ValueError("its digest does not match its content")
+        r = Rates(**d)
+        if not all(isinstance(getattr(r, f), str) for f in ("cpu", "tool_version", "measured_at", "code", "cpu_key")):
+            raise ValueError("a field is not a string")
+        if not isinstance(r.per_byte, dict) or not r.per_byte or not all(
+                isinstance(k, str) and type(v) is float and math.isfinite(v) and 0 < v < 1
+                for k, v in r.per_byte.items()):
+            raise ValueError("per_byte is not seconds per byte")
+    except (ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:80]
+        log.warning("kimi-quant: warning: %s is damaged (%s): measuring the codec rates again", path, why)
+        return None
+    return r
+
+
 def load_rates(remeasure: bool = False, on_measure=None) -> Rates:
     """The stored rates of this machine and tool version, else measured now (and stored; ``on_measure``
     is called first, to say so)."""
     path = rates_path()
     if not remeasure:
-        try:
-            d = json.loads(path.read_text())
-            r = Rates(**d)
-            if (r.tool_version == __version__ and r.cpu_key == cpu_key() and r.code == code_fingerprint()
-                    and r.per_byte):
-                r.where = str(path)
-                return r
-        except (OSError, ValueError, TypeError):
-            pass
+        r = _stored_rates(path)
+        if (r is not None and r.tool_version == __version__ and r.cpu_key == cpu_key()
+                and r.code == code_fingerprint()):
+            r.where = str(path)
+            return r
     if on_measure is not None:
         on_measure()
     r = measure_rates()
     try:
-        from .write import write_json_atomic
+        from .cache import write_private
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, r.to_json())
+        body = r.to_json()
+        write_private(path, (json.dumps({**body, "sha256": _rates_digest(body)}, indent=2) + "\n").encode())
     except OSError:
         pass  # a read-only cache costs a measurement next time, nothing else
     return r

@@ -188,13 +188,34 @@ def _malformed(ev) -> str | None:
 
 #: options that change the plan, as the journal records them -> their command-line flag (None: positional)
 PLAN_OPTIONS = {"source": None, "target": "--target", "recipe": "--recipe", "overrides": "--override",
-                "max_shard_size": "--max-shard-size", "revision": "--revision", "group_size": "--group-size"}
+                "max_shard_size": "--max-shard-size", "revision": "--revision", "group_size": "--group-size",
+                "calibrate": "--calibrate"}
+#: a calibrated run's settings, as the journal records them under "calibrate" -> their flag
+CALIB_OPTIONS = {"calibration": "--calibration", "tokens": "--calib-tokens", "act_order": "--act-order",
+                 "damp": "--damp", "min_expert_tokens": "--min-expert-tokens"}
+
+
+def _calib_flags(v) -> list[str]:
+    """``--calibrate`` and the settings of a recorded calibrated run (nothing for a data-free one)."""
+    if not isinstance(v, dict):
+        return []
+    out = ["--calibrate"]
+    for key, flag in CALIB_OPTIONS.items():
+        item = v.get(key)
+        if key == "act_order" and isinstance(item, bool):
+            out.append("--act-order" if item else "--no-act-order")
+        elif item is not None and not isinstance(item, (dict, list, bool)):
+            out += [flag, str(item)]
+    return out
 
 
 def _flags(options: dict, keys) -> list[str]:
     out = []
     for k in keys:
         flag, v = PLAN_OPTIONS[k], options.get(k)
+        if k == "calibrate":
+            out += _calib_flags(v)
+            continue
         if flag is None or v in (None, [], ()):
             continue
         out += [a for item in (v if isinstance(v, list) else [v]) for a in (flag, str(item))]
@@ -210,16 +231,21 @@ def finish_command(options: dict, out_dir: Path) -> str:
     return shlex.join(args)
 
 
+def finish_hint(journal: Journal, out_dir: Path) -> str:
+    """"the command that finishes it: ..." from the recorded options, else the advice to re-run it."""
+    options = journal.start.get("options") if journal.start else None
+    if isinstance(options, dict) and isinstance(options.get("source"), str):
+        return f"the command that finishes it: {finish_command(options, out_dir)}"
+    return "re-run the same convert command to finish it"
+
+
 def unfinished(journal: Journal, out_dir: Path) -> str:
     """How far an unfinished output got and the command that finishes it, for one line."""
     done = len(journal.units)
     total = journal.start.get("units") if journal.start else None
     of = f" of {total}" if isinstance(total, int) and not isinstance(total, bool) and total >= done else ""
     got = f"{done}{of} shard{'s' if (total if of else done) != 1 else ''} written"
-    options = journal.start.get("options") if journal.start else None
-    if isinstance(options, dict) and isinstance(options.get("source"), str):
-        return f"{got}; the command that finishes it: {finish_command(options, out_dir)}"
-    return f"{got}; re-run the same convert command to finish it"
+    return f"{got}; {finish_hint(journal, out_dir)}"
 
 
 def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out_dir: Path,
@@ -259,6 +285,10 @@ def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out
 def _shown(v) -> str:
     if v in (None, [], ()):
         return "not given"
+    if isinstance(v, dict):  # --calibrate's settings
+        import shlex
+
+        return shlex.join(_calib_flags(v)[1:]) or "the defaults"
     if isinstance(v, list):
         return " ".join(repr(x) for x in v)
     return str(v)
@@ -266,4 +296,5 @@ def _shown(v) -> str:
 
 def _why_same_options(start: dict, summary: dict) -> str:
     diffs = [f"{k} was {start.get(k)!r}, now {v!r}" for k, v in summary.items() if start.get(k) != v]
-    return "; ".join(diffs) if diffs else "the source's shards or the recipe file's contents changed"
+    return "; ".join(diffs) if diffs else ("the source's shards, the recipe file's or the calibration text's "
+                                           "contents changed")

@@ -9,12 +9,13 @@ A validation recorded as failed (``--max-ppl-increase``) is reported after the s
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from .errors import KimiQuantError
 from .hashing import sha256_file, sha256_files
-from .journal import Journal, unfinished
-from .layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
+from .journal import Journal, finish_hint, unfinished
+from .layout.ascend_v1 import CALIB_STATE, DESCRIPTION, INDEX, PROVENANCE
 from .dtypes import nonfinite
 from .plan import MXFP4_LOADER_K_MULTIPLE, model_quant_type_meaning, moe_layer_types
 from .quant.numerics import INT4_GROUP_SIZES
@@ -165,6 +166,10 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
         raise _fail(out_dir, "no kimi-quant journal (not written by kimi-quant?)")
     if not journal.complete:
         raise _fail(out_dir, f"conversion incomplete ({unfinished(journal, out_dir)})")
+    if os.path.lexists(out_dir / CALIB_STATE):
+        raise _fail(out_dir, f"{CALIB_STATE} is left over: the calibrated run stopped before removing its state "
+                             f"(activations of the calibration text, not part of the output); "
+                             f"{finish_hint(journal, out_dir)}")
     for name, sha in journal.metadata.items():
         if not (out_dir / name).exists():
             raise _fail(out_dir, f"{name} is missing")
@@ -228,8 +233,11 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     config = _load_json(out_dir, "config.json")
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise _fail(out_dir, "config.json still has quantization_config")
+    from .validate.gate import validation_void
+
+    void = validation_void(out_dir, journal, prov)  # a verdict about other files, or not covered: not this output's
     return {"shards": len(files), "tensors": len(shapes), "bytes": total,
             "model_quant_type": desc["model_quant_type"],
             "model_quant_type_meaning": model_quant_type_meaning(desc["model_quant_type"], set(tensor_types.values())),
-            "validation": prov.get("validation")}
+            "validation": None if void else prov.get("validation"), "validation_void": void}
 

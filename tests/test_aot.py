@@ -127,12 +127,12 @@ def test_failed_build_falls_back_to_jit_and_is_not_retried(tmp_path, tiny_source
 
 def test_module_others_can_write_is_not_loaded(tmp_path, monkeypatch):
     """Loading a module runs its code: one whose file the group or others may write is refused."""
-    built = aot.module_path()
+    built, built_digest = aot.module_path(), aot.digest_path()
     compiled_kernels()
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
-    target = aot.module_path()
-    target.parent.mkdir(parents=True)
+    target = aot.module_path()  # the cache directory is made (private) on the way
     shutil.copyfile(built, target)
+    shutil.copyfile(built_digest, aot.digest_path())
     os.chmod(target, 0o775)
     assert aot.load(build=False) is None
     assert aot.state() == "untrusted"

@@ -346,7 +346,7 @@ def test_resume_refuses_a_changed_group_size(grouped, tmp_path):
 
     d = tmp_path / "out"
     shutil.copytree(grouped, d)
-    src = json.loads((d / "kimi_quant_provenance.json").read_text())["source"]
+    src = json.loads((d / "kimi_quant_journal.jsonl").read_text().splitlines()[0])["options"]["source"]
     for args, was, now in ((["--group-size", "64"], "was 32", "now 64"), ([], "was 32", "now not given")):
         r = kq("convert", src, "-t", "a3", *args, "-o", d, "-q", "--max-shard-size", "500KB")
         line = error_line(r.stderr)

@@ -360,7 +360,7 @@ def test_source_disk_full_is_one_line(hub, src_repo, tmp_path, monkeypatch):
 
     repo, files = src_repo
     src = _src(hub, repo, tmp_path)
-    real_open = open
+    real_open = hubmod.HubSource._open_partial
 
     class Full:
         def __init__(self, f):
@@ -378,11 +378,11 @@ def test_source_disk_full_is_one_line(hub, src_repo, tmp_path, monkeypatch):
         def __getattr__(self, k):
             return getattr(self.f, k)
 
-    def fake_open(path, mode="r", *a, **kw):
-        f = real_open(path, mode, *a, **kw)
-        return Full(f) if "partial" in str(path) and mode in ("wb", "r+b") else f
+    def fake_open(self, path, mode):
+        f = real_open(self, path, mode)
+        return Full(f) if mode in ("wb", "r+b") else f
 
-    monkeypatch.setattr(hubmod, "open", fake_open, raising=False)
+    monkeypatch.setattr(hubmod.HubSource, "_open_partial", fake_open)
     with pytest.raises(KimiQuantError, match="disk full") as ei:
         src.fetch("model-00001-of-00002.safetensors")
     assert "\n" not in str(ei.value)

@@ -107,7 +107,7 @@ def test_publish_refuses_a_link_out_of_the_output(src, tmp_path):
     hub = FakeHub(tmp_path / "hub")
     try:
         with pytest.raises(KimiQuantError, match="outside .*refusing to publish it"):
-            publish(out, "me/model", endpoint=hub.endpoint, retries=1)
+            publish(out, "me/model", endpoint=hub.endpoint, retries=1, include=("notes.txt",))
         assert not hub.exists("me/model")  # refused before the repo was even created
     finally:
         hub.close()

@@ -28,6 +28,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import KimiQuantError
-from ..layout.ascend_v1 import PROVENANCE
+from ..layout.ascend_v1 import CALIB_STATE, PROVENANCE
 from ..model.spec import load_model_spec_from_source
 from ..plan import Plan, TensorPlan, UnitPlan
 from ..quant import get_codec
@@ -51,7 +53,8 @@ from .config import MIN_TOKENS, CalibConfig, describe  # noqa: F401  (describe: 
 from .hessian import HessianCollector
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
-STATE_FILE = "kimi_quant_calib_state.safetensors"
+STATE_FILE = CALIB_STATE
+log = logging.getLogger(__name__)
 
 
 # -- calibration text ------------------------------------------------------------------------------
@@ -294,7 +297,26 @@ class _UnitWriter:
 
 
 # -- the state checkpoint ------------------------------------------------------------------------------
-def _save_state(out_dir: Path, fingerprint: str, layer: int, states: list, stats: dict) -> None:
+def state_binding(fingerprint: str, made_from: dict[str, dict[str, str]], info: dict, cfg: CalibConfig) -> str:
+    """What a saved state was computed from: the conversion (plan fingerprint), the identity of every
+    source shard, the calibration tokens' digest and the calibration settings. A state saved under
+    another binding is another computation's: never resumed from."""
+    inputs = {f: ident for m in made_from.values() for f, ident in m.items()}
+    ident = {"fingerprint": fingerprint, "inputs": dict(sorted(inputs.items())),
+             "token_sha256": info.get("token_sha256"), "calibration": cfg.describe()}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _state_digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"\0{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _save_state(out_dir: Path, binding: str, layer: int, states: list, stats: dict) -> None:
     from safetensors.torch import save
 
     tensors = {}
@@ -302,35 +324,63 @@ def _save_state(out_dir: Path, fingerprint: str, layer: int, states: list, stats
         tensors[f"x.{b}"] = st.x.contiguous()
         for k, blk in enumerate(st.blocks):
             tensors[f"blocks.{b}.{k}"] = blk.contiguous()
-    meta = {"fingerprint": fingerprint, "layer": str(layer), "batches": str(len(states)),
+    bad = next((n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:  # a NaN state would be resumed from forever, blamed on the source: never saved
+        raise KimiQuantError(f"calibration: the activations after layer {layer} hold a NaN or Inf ({bad}): the "
+                             "source's weights of that layer overflow in the BF16 forward; it cannot be calibrated "
+                             "(convert without --calibrate)")
+    meta = {"binding": binding, "layer": str(layer), "batches": str(len(states)),
             "stats": json.dumps(stats, sort_keys=True)}
+    meta["digest"] = _state_digest(tensors, meta)
     write_atomic(out_dir / STATE_FILE, save(tensors, metadata=meta))
 
 
-def _load_state(out_dir: Path, fingerprint: str):
-    """(layer, states, stats) from a checkpoint of this very conversion, else None."""
+def _load_state(out_dir: Path, binding: str, windows: list[torch.Tensor]):
+    """(layer, states, stats) from a checkpoint of this very computation, else None: one saved under
+    another binding (another source, calibration text or setting), failing its own digest, with
+    another number of batches or shapes than ``windows``, or holding a NaN is discarded, with one line."""
     from safetensors import safe_open
 
     path = out_dir / STATE_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
+    why = None
     try:
+        if path.is_symlink() or not path.is_file():
+            raise ValueError("not a plain file")
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("fingerprint") != fingerprint:
-                return None
+            if meta.get("binding") != binding:
+                raise ValueError("it was computed from other inputs (the source's shards, the calibration text "
+                                 "or its settings changed)")
             layer, nb = int(meta["layer"]), int(meta["batches"])
-            names = set(f.keys())
-            states = []
-            for b in range(nb):
-                blocks, k = [], 0
-                while f"blocks.{b}.{k}" in names:
-                    blocks.append(f.get_tensor(f"blocks.{b}.{k}"))
-                    k += 1
-                states.append(fw.State(f.get_tensor(f"x.{b}"), blocks))
-            return layer, states, json.loads(meta.get("stats", "{}"))
-    except Exception:  # noqa: BLE001 - a torn or foreign file: start over (it is only a shortcut)
-        return None
+            if nb != len(windows):
+                raise ValueError(f"it holds {nb} batches, the calibration has {len(windows)}")
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        if meta.get("digest") != _state_digest(tensors, {k: v for k, v in meta.items() if k != "digest"}):
+            raise ValueError("its digest does not match its content")
+        states = []
+        for b in range(nb):
+            x = tensors[f"x.{b}"]
+            if tuple(x.shape[:2]) != tuple(windows[b].shape[:2]):
+                raise ValueError(f"batch {b} has shape {list(x.shape)}, its tokens {list(windows[b].shape)}")
+            blocks, k = [], 0
+            while f"blocks.{b}.{k}" in tensors:
+                blocks.append(tensors[f"blocks.{b}.{k}"])
+                k += 1
+            states.append(fw.State(x, blocks))
+        if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise ValueError("it holds a NaN or Inf")
+        stats = json.loads(meta.get("stats", "{}"))
+        if not isinstance(stats, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
+                                                  for k, v in stats.items()):
+            raise ValueError("its counts are not counts")
+        return layer, states, stats
+    except Exception as e:  # noqa: BLE001 - a torn, foreign or stale file: start over (it is only a shortcut)
+        why = " ".join(str(e).split())[:160] or type(e).__name__
+    log.warning("kimi-quant: warning: %s discarded (%s); the calibration starts again from the first layer",
+                path, why)
+    return None
 
 
 # -- the driver --------------------------------------------------------------------------------------------
@@ -349,10 +399,10 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     n_layers = tcfg.num_hidden_layers
     if opts.workers:
         torch.set_num_threads(opts.workers)
-    r = _resume(source, plan, out_dir, journal, opts)
+    r = _resume(source, plan, out_dir, journal, opts, all_inputs=True)
     by_layer = units_by_layer(plan, spec)
     info = dict(plan.extra["calibration"])
-    fingerprint = plan.fingerprint()
+    binding = state_binding(plan.fingerprint(), r.made_from, info, cfg)
     quant = _Quantizer(cfg)
     layers_done = 0
     total = sum(u.in_bytes for u in r.todo)
@@ -361,7 +411,7 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     weights = _SourceWeights(source, spec)
     try:
         if r.todo:
-            resumed = _load_state(out_dir, fingerprint)
+            resumed = _load_state(out_dir, binding, windows)
             start, states = 0, None
             if resumed is not None:
                 layer, saved, stats = resumed
@@ -382,7 +432,7 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
                 except BaseException:
                     writer.abort()
                     raise
-                _save_state(out_dir, fingerprint, i, states, quant.stats)
+                _save_state(out_dir, binding, i, states, quant.stats)
                 layers_done += 1
                 _release(source, weights, last_use, i)
             writer = _UnitWriter(out_dir, by_layer.get(GLOBAL, []), journal, r.made_from, weights, bar.update)

@@ -21,8 +21,12 @@ INDEX = "quant_model_weights.safetensors.index.json"
 DESCRIPTION = "quant_model_description.json"
 PROVENANCE = "kimi_quant_provenance.json"
 VALIDATION = "kimi_quant_validation.json"
+#: a calibrated run's state between layers (activations of the calibration text): removed when the run ends
+CALIB_STATE = "kimi_quant_calib_state.safetensors"
 MAX_COPIED_FILE = 64 * 1024 * 1024  # "small files": configs, code, tokenizer, docs
 OWN_FILES = (INDEX, DESCRIPTION, PROVENANCE, VALIDATION)
+#: what the provenance and the card say of a local source directory
+LOCAL_SOURCE = "local checkpoint"
 
 
 def clean_config(config: dict) -> dict:
@@ -34,13 +38,28 @@ def clean_config(config: dict) -> dict:
     return config
 
 
+#: never copied from a source: native code and pickles run when loaded, and a checkpoint needs none of them
+#: (tokenizers, configs and remote code are text); the output would carry them to the hub
+NOT_COPIED_SUFFIXES = (".so", ".dylib", ".dll", ".exe", ".pyd", ".o", ".a", ".bin", ".pt", ".pth", ".pkl",
+                       ".pickle", ".ckpt", ".npy", ".npz", ".whl", ".egg", ".jar", ".pyc")
+
+
+def _native_or_pickle(name: str) -> bool:
+    base = name.rsplit("/", 1)[-1].lower()
+    return base.endswith(NOT_COPIED_SUFFIXES) or ".so." in base
+
+
 def files_to_copy(source: Source) -> list[str]:
+    """The source's small files an output carries (tokenizer, configs, remote code, docs): not the
+    weights, not kimi-quant's own names, nothing larger than ``MAX_COPIED_FILE``, no native code or pickle."""
     out = []
     for f in source.files():
         name = f.name
         if name.endswith(".safetensors") or name in (WEIGHT_INDEX, SINGLE_FILE, "config.json"):
             continue
         if name.startswith("quant_model_") or name.startswith("kimi_quant_") or f.size > MAX_COPIED_FILE:
+            continue
+        if _native_or_pickle(name):
             continue
         out.append(name)
     return out
@@ -76,7 +95,9 @@ def provenance(plan: Plan, inputs: dict[str, dict], units: dict[str, dict]) -> d
         "tool": "kimi-quant",
         "tool_version": __version__,
         "format": "ascendV1",
-        "source": plan.source,
+        # a hub repo id names the source for anyone; a local path names only someone's disk (published, it
+        # would show their directory layout): the journal, which stays local, keeps it for resuming
+        "source": plan.source if plan.revision else LOCAL_SOURCE,
         "revision": plan.revision,
         "target": plan.target,
         "recipe": plan.recipe,

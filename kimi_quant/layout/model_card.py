@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP, packed_words
 from ..progress import fmt_bytes
-from .ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
+from .ascend_v1 import DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION
 
 CARD = "README.md"
 SOURCE_README = "SOURCE_README.md"
@@ -84,9 +84,13 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
     output_dir = Path(output_dir)
     prov = read_json(output_dir / PROVENANCE) or {}
     report = read_json(output_dir / VALIDATION)
+    if verify_summary and verify_summary.get("validation_void"):  # numbers about other files: not shown
+        prov, report = {k: v for k, v in prov.items() if k != "validation"}, None
     desc = read_json(output_dir / DESCRIPTION) or {}
     index = read_json(output_dir / INDEX) or {}
     source = str(prov.get("source") or "unknown")
+    if not _is_repo_id(source) and source != "unknown":
+        source = LOCAL_SOURCE  # an older provenance's local path: someone's disk layout, not for a card
     revision = prov.get("revision")
     target = str(prov.get("target") or "")
     device, scheme = TARGET_WORDS.get(target, (target or "unknown", desc.get("model_quant_type", "")))

@@ -1,6 +1,9 @@
 """Publish a verified ascendV1 output directory to a Hugging Face hub repo (or any HF_ENDPOINT).
 
 * Refuses an output that is incomplete or fails verification (``kimi_quant.verify.verify_output``).
+* Uploads what kimi-quant wrote into the output on purpose, as its journal lists it (``upload_set``);
+  anything else there (a key, a core dump, notes) is named and left out unless ``include`` names it.
+  A new repo is private unless ``private=False`` (``--public``).
 * Uploads only what the remote branch lacks: each local file is compared with the remote one
   (LFS sha256 for weights, git blob sha1 for small files, from the branch's file list), so a re-run
   after an interruption or a completed publish uploads nothing already there. LFS objects an
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import logging
@@ -32,17 +36,18 @@ from pathlib import Path
 
 from ..errors import KimiQuantError
 from ..hashing import sha256_file
-from ..journal import JOURNAL
-from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE
+from ..journal import JOURNAL, Journal
+from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 from ..layout.model_card import CARD, SOURCE_README, is_ours, model_card as _card
 from ..layout.model_card import read_json as _read_json
+from ..lock import OUTPUT_LOCK
 from ..progress import fmt_bytes
 from ..source.hub import retry_after
 from ..untrusted import inside
 
 log = logging.getLogger(__name__)
 
-NOT_UPLOADED = (JOURNAL,)
+NOT_UPLOADED = (JOURNAL,)  # besides everything kimi-quant did not write (``upload_set``)
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model", ".gguf", ".tiktoken")
 UPLOAD_CHUNK_FILES = 50  # LFS uploads go in chunks of at most this many files / bytes, one progress line each
 UPLOAD_CHUNK_BYTES = 50 * 1024 ** 3
@@ -124,16 +129,37 @@ class _Item:
         return self.sha256
 
 
-def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card: bool = True) -> list[_Item]:
+def written_by_kimi_quant(output_dir: Path) -> set[str]:
+    """What the conversion (and validate) wrote into ``output_dir`` on purpose, as its journal lists it:
+    the shards, the files around them (index, description, config, provenance, card, the source's small
+    files it copied) and the validation report. Anything else there was put by someone else."""
+    journal = Journal(output_dir)
+    return set(journal.units) | set(journal.metadata) | journal.written | {PROVENANCE, CARD, VALIDATION}
+
+
+def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card: bool = True,
+               include: tuple[str, ...] = (), left_out: list[str] | None = None) -> list[_Item]:
+    """The files to upload: what kimi-quant wrote (``written_by_kimi_quant``) and what matches an
+    ``include`` pattern (fnmatch on the path in the output); the rest is named in ``left_out``."""
     items: list[_Item] = []
     prov = _read_json(output_dir / PROVENANCE) or {}
     known = {k: v.get("sha256") for k, v in (prov.get("outputs") or {}).items() if isinstance(v, dict)}
     has_source_card = (output_dir / SOURCE_README).is_file()
+    ours = written_by_kimi_quant(output_dir)
     for p in sorted(output_dir.rglob("*")):
         rel = p.relative_to(output_dir).as_posix()
-        if not p.is_file() or any(part.startswith(".") for part in rel.split("/")):
+        if not (p.is_file() or p.is_symlink()) or p.is_dir():
             continue
-        if rel in NOT_UPLOADED or rel.endswith((".partial", ".tmp")):
+        if rel in NOT_UPLOADED or rel == OUTPUT_LOCK:
+            continue
+        wanted = rel in ours and not any(part.startswith(".") for part in rel.split("/"))
+        if rel == VALIDATION and verify_summary is not None and verify_summary.get("validation_void"):
+            continue  # a report of other files (verify said why): not this output's
+        if not wanted and not any(fnmatch.fnmatchcase(rel, pat) for pat in include):
+            if left_out is not None:
+                left_out.append(rel)
+            continue
+        if not p.is_file():
             continue
         if not inside(p, output_dir):  # never upload what lies outside the directory the user named
             raise PublishError(f"{p} links to {os.path.realpath(p)}, outside {output_dir}: refusing to publish it "
@@ -155,10 +181,12 @@ def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card
 
 
 # -- the upload -----------------------------------------------------------------------------------------
-def publish(output_dir, repo_id: str, private: bool = False, branch: str | None = None, token: str | None = None,
+def publish(output_dir, repo_id: str, private: bool = True, branch: str | None = None, token: str | None = None,
             endpoint: str | None = None, commit_message: str | None = None, card: bool = True, retries: int = 5,
-            backoff: float = 2.0, verify: bool = True, echo=None, force: bool = False) -> PublishResult:
-    """Create ``repo_id`` if needed and upload ``output_dir`` to ``branch`` (default main); see module doc."""
+            backoff: float = 2.0, verify: bool = True, echo=None, force: bool = False,
+            include: tuple[str, ...] = ()) -> PublishResult:
+    """Create ``repo_id`` if needed (private unless ``private`` is False) and upload what kimi-quant wrote
+    into ``output_dir`` (and what an ``include`` pattern names) to ``branch`` (default main); see module doc."""
 
     from huggingface_hub import HfApi, constants
 
@@ -170,7 +198,18 @@ def publish(output_dir, repo_id: str, private: bool = False, branch: str | None 
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     api = HfApi(endpoint=endpoint, token=token)
     branch = branch or "main"
-    items = upload_set(output_dir, repo_id, summary, card=card)
+    if summary is not None and summary.get("validation_void"):
+        say(f"not publishing the recorded validation: {summary['validation_void']} (`kimi-quant validate` measures "
+            "this output)")
+    left_out: list[str] = []
+    items = upload_set(output_dir, repo_id, summary, card=card, include=tuple(include), left_out=left_out)
+    if left_out:
+        shown = ", ".join(left_out[:8]) + (f" and {len(left_out) - 8} more" if len(left_out) > 8 else "")
+        say(f"leaving out {len(left_out)} file(s) kimi-quant did not write: {shown} (--include PATTERN uploads "
+            "one on purpose)")
+    say(f"{repo_id}: {'private' if private else 'public'} repo" +
+        (" (--public makes a new repo public)" if private else " (--public)") + "; an existing repo keeps its "
+        "visibility")
     result = PublishResult(repo_id, branch, None, url=f"{endpoint}/{repo_id}")
     msg = commit_message or f"Upload {output_dir.name} (kimi-quant ascendV1)"
 

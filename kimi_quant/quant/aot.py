@@ -8,7 +8,12 @@ runs on both) into a small extension module that imports in a millisecond, with 
 
 The module is built once per *key*: the kernels' sources, numba and llvmlite, the Python ABI and the
 CPU (it is compiled for this CPU, as numba's JIT is). It is kept beside numba's own cache:
-NUMBA_CACHE_DIR when set, else ``quant/__pycache__`` when writable, else ``<cache>/kernels``. The
+NUMBA_CACHE_DIR when set, else ``quant/__pycache__`` when writable, else ``<cache>/numba``; each
+must be a private directory (``cache.private_dir``: a shared or re-pointable one would let another
+local user plant the module, or numba's pickled index, that this process then runs), and
+``numba_cache_dir`` points numba at the same checked place. The module is loaded only when its
+sha256 matches the one recorded beside it at build time (a damaged or foreign file is rebuilt, with
+one warning: a truncated ``.so`` would otherwise crash the process with SIGBUS). The
 first conversion after an install or upgrade builds it (~20 s, where it used to JIT-compile ~10 s).
 A build needs ``numba.pycc`` (deprecated by numba) and a C compiler; without either the kernels stay
 numba's JIT kernels, as before, and a ``.failed`` file beside it says why (no later run retries that
@@ -28,6 +33,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shutil
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -36,7 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import cache_dir, cpu_id
+import logging
+
+from ..cache import UnsafeCache, cache_dir, cpu_id, file_digest, private_dir, read_private, why_unsafe, write_private
+
+log = logging.getLogger(__name__)
 
 #: The exported kernels: name -> the argument kinds of its one signature. "w": the weights' bf16 bits,
 #: uint16 [N, K] (typed read-only: pycc accepts a writable array there too, and the kernels never write
@@ -78,14 +88,56 @@ def key() -> str:
     return h.hexdigest()
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning("kimi-quant: warning: %s", msg)
+
+
+def _in_tree_usable(here: Path) -> bool:
+    """``quant/__pycache__`` holds the caches only while it is as private as the source beside it."""
+    if not os.access(_HERE, os.W_OK) or why_unsafe(_HERE) is not None:
+        return False
+    try:
+        here.mkdir(mode=0o755, exist_ok=True)
+    except OSError:
+        return False
+    return why_unsafe(here) is None and os.access(here, os.W_OK)
+
+
+def numba_cache_dir() -> Path | None:
+    """The checked directory numba's JIT cache (pickled index and machine code) lives in, with
+    NUMBA_CACHE_DIR set to it for numba and for the workers; None: numba's own place beside the
+    source (``quant/__pycache__``), which is private. A NUMBA_CACHE_DIR that is not private is
+    replaced by ``<cache>/numba``, with one warning. Call before numba is imported."""
+    env = os.environ.get("NUMBA_CACHE_DIR")
+    if env:
+        try:
+            d = private_dir(Path(env), "NUMBA_CACHE_DIR")
+        except UnsafeCache as e:
+            d = private_dir(cache_dir() / "numba", "numba cache")
+            _warn_once(f"{e}; using {d} instead")
+    elif _in_tree_usable(_HERE / "__pycache__"):
+        return None
+    else:
+        d = private_dir(cache_dir() / "numba", "numba cache")
+    if os.environ.get("NUMBA_CACHE_DIR") != str(d):
+        os.environ["NUMBA_CACHE_DIR"] = str(d)
+    config = sys.modules.get("numba.core.config")
+    if config is not None and getattr(config, "CACHE_DIR", None) != str(d):
+        config.CACHE_DIR = str(d)  # numba was imported first: it reads the directory at each lookup
+    return d
+
+
 def cache_root() -> Path:
     """Where the module is kept: beside numba's cache of the same kernels (see the module docstring)."""
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return Path(os.environ["NUMBA_CACHE_DIR"]) / "kimi_quant_aot"
-    here = _HERE / "__pycache__"
-    if os.access(_HERE, os.W_OK) and (not here.exists() or os.access(here, os.W_OK)):
-        return here
-    return cache_dir() / "kernels"
+    d = numba_cache_dir()
+    if d is None:
+        return _HERE / "__pycache__"
+    return private_dir(d / "kimi_quant_aot", "compiled kernels")
 
 
 def _module_name(k: str) -> str:
@@ -101,27 +153,54 @@ def failed_path(k: str | None = None) -> Path:
     return cache_root() / (_module_name(k or key()) + ".failed")
 
 
+def digest_path(k: str | None = None) -> Path:
+    """The module's sha256, recorded when it was built."""
+    return cache_root() / (_module_name(k or key()) + ".sha256")
+
+
 def state() -> str:
-    """"built", "missing" (the next conversion builds it), or where numba's JIT kernels are used:
-    "failed" (the build did) or "untrusted" (the module file is writable by others, see ``_trusted``)."""
+    """"built", "missing" (the next conversion builds it: also when the file does not match the
+    digest recorded at its build), or where numba's JIT kernels are used: "failed" (the build did)
+    or "untrusted" (the module file is writable by others or a link, see ``_trusted``)."""
     k = key()
-    if module_path(k).is_file():
-        return "built" if _trusted(module_path(k)) else "untrusted"
+    path = module_path(k)
+    if os.path.lexists(path):
+        if not _trusted(path):
+            return "untrusted"
+        return "built" if _matches_digest(k, path) else "missing"
     return "failed" if failed_path(k).is_file() else "missing"
 
 
 def _trusted(path: Path) -> bool:
-    """Loading a module runs its code: only a file of ours that no one else can write."""
-    st = path.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+    """Loading a module runs its code: only a plain file of ours (not a link) that no one else can write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
+def _matches_digest(k: str, path: Path) -> bool:
+    recorded = read_private(digest_path(k), 128)
+    try:
+        return recorded is not None and recorded.decode().strip() == file_digest(path)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def load(build: bool = True):
     """The compiled kernels (an object with ``EXPORTS``' names), or None: then use numba's JIT kernels.
-    Builds the module when missing (``build``) and no earlier build of the same key failed."""
+    Builds the module when missing (``build``) and no earlier build of the same key failed; one that
+    does not match its recorded digest (damaged, or not built here) is removed and rebuilt."""
     k = key()
     path = module_path(k)
-    if not path.is_file():
+    if os.path.lexists(path) and _trusted(path) and not _matches_digest(k, path):
+        _warn_once(f"compiled kernels {path} do not match the digest recorded when they were built (damaged, "
+                   "or not built by kimi-quant): rebuilding them")
+        for stale in (path, digest_path(k)):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+    if not os.path.lexists(path):
         if not build or failed_path(k).is_file():
             return None
         try:
@@ -131,7 +210,7 @@ def load(build: bool = True):
             return None
         if not path.is_file():  # another process's build of this key failed meanwhile
             return None
-    if not _trusted(path):
+    if not _trusted(path) or not _matches_digest(k, path):
         return None
     name = _module_name(k)
     mod = sys.modules.get(name)
@@ -149,11 +228,10 @@ def _build_once(k: str, path: Path) -> None:
     key's lock: then wait for it and use what it built (or its .failed file)."""
     import fcntl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_name(_module_name(k) + ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if not path.is_file() and not failed_path(k).is_file():
+        if not os.path.lexists(path) and not failed_path(k).is_file():
             _build(k, path)
     finally:
         os.close(fd)  # releases the lock (so does the kernel if this process is killed)
@@ -162,8 +240,7 @@ def _build_once(k: str, path: Path) -> None:
 def _record_failure(k: str, e: BaseException) -> None:
     line = " ".join(f"{type(e).__name__}: {e}".split())[:500]
     with contextlib.suppress(OSError):
-        failed_path(k).parent.mkdir(parents=True, exist_ok=True)
-        failed_path(k).write_text(line + "\n")  # why the build failed; numba's JIT kernels are used instead
+        write_private(failed_path(k), (line + "\n").encode())  # why the build failed; numba's JIT kernels are used
 
 
 def _numba_type(kind: str):
@@ -205,11 +282,10 @@ def _build(k: str, path: Path) -> None:
         built = next(scratch.glob(_module_name(k) + "*"), None)
         if built is None:
             raise RuntimeError(f"numba.pycc reported success but wrote no module into {scratch}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        shutil.copyfile(built, tmp)
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
+        data = built.read_bytes()
+        # the digest first: a module without its digest is never loaded, one with it is whole
+        write_private(digest_path(k), (hashlib.sha256(data).hexdigest() + "\n").encode())
+        write_private(path, data, mode=0o755)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

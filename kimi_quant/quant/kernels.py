@@ -36,10 +36,15 @@ Call ``warmup()`` once in a parent process before forking workers so that they d
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+from .aot import numba_cache_dir
+
+numba_cache_dir()  # numba's pickled cache only in a private directory: checked before numba reads any of it
+
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 from .numerics import BLOCK, E2M1_THRESHOLDS, E2M1_VALUES, E8M0_ZERO_BLOCK, MX_SCREEN_MARGIN
 from . import numerics as _nm

@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import shutil
+import stat
 import struct
 import tempfile
 import threading
@@ -33,6 +34,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+from ..cache import private_dir, write_private
 from ..errors import BadCheckpoint, KimiQuantError
 from ..lock import DirLock
 from ..untrusted import unsafe_name
@@ -387,6 +389,23 @@ class HubSource(Source):
     def _partial(self, name: str) -> Path:
         return self.work_dir / META_DIR / "partial" / name
 
+    def _open_partial(self, part: Path, mode: str):
+        """The partial file, opened without following a link and only when it is a plain file of ours:
+        its name is predictable (a resumed download finds it again), so in a directory another user could
+        write, a link placed there would have the download written through it into someone's file. The
+        staging folders are private (``cache.private_dir``)."""
+        private_dir(self.work_dir / META_DIR, "hub staging")
+        private_dir(part.parent, "hub staging")
+        flags = os.O_NOFOLLOW | (os.O_RDWR | os.O_CREAT if mode != "rb" else os.O_RDONLY)
+        fd = os.open(part, flags, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            os.close(fd)
+            raise HubError(f"{part}: not a plain file of yours; remove it (the staging area is kimi-quant's)")
+        if mode == "wb":
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, "rb" if mode == "rb" else "r+b")
+
     def _verified(self, name: str, strict: bool = True) -> bool:
         """``work_dir/name`` exists and is the verified file for this revision.
 
@@ -451,11 +470,9 @@ class HubSource(Source):
         self._hashed.add(name)
         st = (self.work_dir / name).stat()
         m = self._marker(name)
-        m.parent.mkdir(parents=True, exist_ok=True)
-        tmp = m.with_name(m.name + ".tmp")
-        tmp.write_text(json.dumps({"digest": self._expected_digest(name), "size": st.st_size,
-                                   "mtime_ns": st.st_mtime_ns, "revision": self.revision}))
-        os.replace(tmp, m)
+        private_dir(m.parent, "hub staging")
+        write_private(m, json.dumps({"digest": self._expected_digest(name), "size": st.st_size,
+                                     "mtime_ns": st.st_mtime_ns, "revision": self.revision}).encode())
 
     def _download(self, name: str) -> Path:
         """Download ``name`` into work_dir, resuming a partial file, and verify it; one re-download on mismatch."""
@@ -488,14 +505,14 @@ class HubSource(Source):
         for attempt in range(self.retries):
             if self._stop.is_set():
                 raise HubError(f"{self.repo_id}: source closed")
-            have = part.stat().st_size if part.exists() else 0
-            if have > size:
+            have = part.lstat().st_size if part.exists() and not part.is_symlink() else 0
+            if have > size or part.is_symlink():
                 part.unlink()
                 have = 0
             h, tag = self._new_hasher(name)
             try:
                 if have == size:
-                    with open(part, "rb") as f:
+                    with self._open_partial(part, "rb") as f:
                         while chunk := f.read(CHUNK):
                             h.update(chunk)
                     return tag + h.hexdigest()
@@ -510,7 +527,7 @@ class HubSource(Source):
                         mode = "r+b"
                     else:
                         mode, have = "wb", 0  # the server ignored Range: start over
-                    with open(part, mode) as f:
+                    with self._open_partial(part, mode) as f:
                         if have:
                             while f.tell() < have and (chunk := f.read(min(CHUNK, have - f.tell()))):
                                 h.update(chunk)

@@ -22,14 +22,21 @@ BUILTIN = {"builtin:train": "train.jsonl", "builtin:heldout": "heldout.jsonl"}
 
 def _jsonl(path: Path) -> list[str]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise KimiQuantError(f"{path}:{lineno}: not UTF-8 text (byte {e.start}); calibration text must be "
+                                     "UTF-8") from None
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise KimiQuantError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise KimiQuantError(f"{path}:{lineno}: nested too deeply to be a calibration record") from None
             text = rec.get("text") if isinstance(rec, dict) else None
             if not isinstance(text, str):
                 raise KimiQuantError(f"{path}:{lineno}: a calibration jsonl record needs a string 'text' field")
@@ -86,7 +93,11 @@ def load_texts(spec: str | Path | None = None) -> list[str]:
         elif suffix == ".parquet":
             texts = _parquet(path)
         elif suffix in (".txt", ".md", ".text", ""):
-            texts = [path.read_text(encoding="utf-8")]
+            try:
+                texts = [path.read_text(encoding="utf-8")]
+            except UnicodeDecodeError as e:
+                raise KimiQuantError(f"{path}: not UTF-8 text (byte {e.start}); calibration text must be UTF-8") \
+                    from None
         else:
             raise KimiQuantError(f"{path}: unknown calibration file type {suffix!r} (use .jsonl, .txt or .parquet)")
         if not any(t.strip() for t in texts):

@@ -20,7 +20,7 @@ class _OneLineError(click.ClickException):
         click.echo(f"kimi-quant: error: {self.format_message()}", err=True)
 
 
-def _check_source(source: Path, quantized: Path) -> None:
+def _check_source(source: Path, quantized: Path) -> str | None:
     """Refuse a SOURCE whose shards differ from those the output's provenance records (size, and the
     sha256 where both sides know it; nothing is hashed here): another checkpoint gives a meaningless ratio."""
     import json
@@ -31,7 +31,7 @@ def _check_source(source: Path, quantized: Path) -> None:
     try:
         inputs = json.loads((quantized / PROVENANCE).read_text()).get("inputs") or {}
     except (OSError, ValueError, AttributeError):
-        return  # nothing to compare with
+        return None  # nothing to compare with
     here = {f.name: f for f in LocalSource(source).files()}
     for name, rec in sorted(inputs.items()):
         f = here.get(name)
@@ -43,8 +43,9 @@ def _check_source(source: Path, quantized: Path) -> None:
             why = "has another sha256 than the output was made from"
         else:
             continue
-        raise KimiQuantError(f"{source}/{name} {why} ({quantized}/{PROVENANCE}): validate against the "
-                             "checkpoint the output was converted from")
+        return (f"{source}/{name} {why} ({quantized}/{PROVENANCE}): validate against the checkpoint the output "
+                "was converted from")
+    return None
 
 
 @click.command("validate", short_help="Perplexity and per-layer error of QUANTIZED vs BF16.")
@@ -62,9 +63,13 @@ def _check_source(source: Path, quantized: Path) -> None:
               help="Also write the full report as JSON here (a kimi-quant output always gets its own copy, "
                    "kimi_quant_validation.json).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")
+@click.option("--force", is_flag=True,
+              help="Run even when SOURCE is not the checkpoint QUANTIZED was converted from (its shards differ from "
+                   "the recorded ones, or the first layer disagrees): the numbers are shown, never recorded.")
 @click.option("--eager-experts", is_flag=True, hidden=True,
               help="Load every routed expert of a layer up front (reference path; needs ~all experts in fp32).")
-def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increase, json_path, quiet, eager_experts):
+def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increase, json_path, quiet, force,
+             eager_experts):
     """Compare QUANTIZED (an ascendV1 output dir) with its BF16 SOURCE: perplexity on the same windows
     and per-layer cosine / relative error, with the device's activation quantization simulated.
 
@@ -91,35 +96,48 @@ def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increa
                 lock.acquire()
             # Validation reads the output's tensors, not its hashes: a damaged shard would still give a ratio.
             # Only kimi-quant outputs have a journal to check against; another tool's ascendV1 dir is taken as is.
+            mismatch = None
             if ours:
                 verify_output(quantized, rehash=True, quiet=quiet)
-                _check_source(Path(source), Path(quantized))
+                mismatch = _check_source(Path(source), Path(quantized))
+                if mismatch and not force:
+                    raise KimiQuantError(f"{mismatch} (--force shows the numbers without recording them)")
             report = run_validation(source, quantized, calibration=calibration, max_tokens=max_tokens,
                                     seq_len=seq_len, json_path=json_path, progress=not quiet,
                                     lazy_experts=not eager_experts)
         except KimiQuantError as e:
             raise _OneLineError(str(e)) from e
-        _report(source, quantized, report, max_ppl_increase, json_path, ours)
+        try:
+            _report(source, quantized, report, max_ppl_increase, json_path, ours, force, mismatch)
+        except ValidationFailed:
+            raise
+        except KimiQuantError as e:
+            raise _OneLineError(str(e)) from e
     finally:
         if lock is not None:
             lock.release()
 
 
-def _report(source, quantized, report, max_ppl_increase, json_path, ours):
+def _report(source, quantized, report, max_ppl_increase, json_path, ours, force=False, mismatch=None):
     from ..layout.ascend_v1 import VALIDATION
-    from .gate import record
+    from .gate import not_its_source, record
     from .run import format_table
 
+    wrong = not_its_source(report)
+    if ours and wrong and not force:  # before any number is shown: none of them is about this output
+        raise KimiQuantError(f"{wrong}; nothing recorded in {quantized} (--force shows the numbers without recording "
+                             "them)")
     click.echo(format_table(report))
     if not 0.8 <= report["ratio"] <= 2.0:
         click.echo(f"kimi-quant: warning: a perplexity ratio of {report['ratio']:.4f} is implausible for a faithful "
                    f"quantization: is {source} the checkpoint {quantized} was converted from?", err=True)
     failed = None
     try:
-        record(quantized, report, max_ppl_increase)  # the report, the verdict and the card, into the output
+        # the report, the verdict and the card, into the output (bound to both directories' identities)
+        verdict = record(quantized, report, max_ppl_increase, source=source, force=force, mismatch=mismatch)
     except ValidationFailed as e:
-        failed = e
-    if ours:
+        failed, verdict = e, {}
+    if ours and verdict.get("recorded", True):
         click.echo(f"report written to {Path(quantized) / VALIDATION}")
     if json_path:
         click.echo(f"report written to {json_path}")

@@ -9,12 +9,17 @@ summary is then dropped from the provenance (``convert._carry_validation``).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from pathlib import Path
 
-from ..errors import ValidationFailed
-from ..journal import JOURNAL
-from ..layout.ascend_v1 import PROVENANCE, VALIDATION
+from ..errors import KimiQuantError, ValidationFailed
+from ..journal import JOURNAL, Journal
+from ..layout.ascend_v1 import LOCAL_SOURCE, PROVENANCE, VALIDATION
+from ..layout.model_card import CARD
+
+log = logging.getLogger(__name__)
 
 
 def gate(report: dict, max_ppl_increase: float | None) -> dict:
@@ -31,25 +36,140 @@ def failed_message(verdict: dict) -> str:
             f"{verdict['max_ppl_increase_pct']}%")
 
 
-def record(out_dir: str | Path, report: dict, max_ppl_increase: float | None) -> dict:
+#: the lowest cosine between the BF16 and the quantized hidden state after the first layer that a
+#: conversion of that very source gives (a faithful one is > 0.9; another checkpoint of the same shapes ~0)
+MIN_FIRST_LAYER_COSINE = 0.5
+
+
+def source_identity(source_dir: str | Path) -> dict[str, str]:
+    """What the BF16 source a validation measured is, file by file: the identity of each shard and
+    config file (size, mtime and ctime: any rewrite changes the ctime)."""
+    from ..source.local import LocalSource
+
+    return {f.name: f.identity for f in LocalSource(source_dir).files()
+            if f.name.endswith((".safetensors", ".json", ".model"))}
+
+
+def output_digest(journal: Journal) -> str:
+    """What the output a validation measured is: its shards' and metadata files' sha256, as the
+    journal records them (the provenance, report and card are about it, not part of it)."""
+    files = {n: sha for n, sha in journal.metadata.items() if n not in (PROVENANCE, VALIDATION, CARD)}
+    ident = {"units": {f: rec["sha256"] for f, rec in sorted(journal.units.items())}, "files": dict(sorted(files.items()))}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def not_its_source(report: dict) -> str | None:
+    """Why ``report`` cannot be of the output against the checkpoint it was converted from, or None:
+    the first layer's hidden states disagree as another checkpoint's would."""
+    layers = report.get("layers") or []
+    first = layers[0] if layers and isinstance(layers[0], dict) else {}
+    cos = first.get("cosine")
+    if isinstance(cos, (int, float)) and cos < MIN_FIRST_LAYER_COSINE:
+        return (f"after the first layer the quantized model agrees with the BF16 one only to cosine {cos:.4f} "
+                f"(a conversion of that checkpoint gives > 0.9; ratio {report.get('ratio', float('nan')):.4f}): "
+                "the source given is not the checkpoint the output was converted from")
+    return None
+
+
+def validation_void(out_dir: Path, journal: Journal, prov: dict) -> str | None:
+    """Why the validation recorded in ``prov`` no longer describes this output, or None: it must be
+    covered by the journal's digest of the provenance, its report must name this output's digest, and
+    the source it measured (when the journal's recorded source directory is still there) unchanged."""
+    if not isinstance(prov.get("validation"), dict):
+        return None
+    if PROVENANCE not in journal.metadata:
+        return "its verdict is not covered by the journal (recorded by an older kimi-quant, or edited)"
+    report = _read_json(out_dir / VALIDATION)
+    inputs = report.get("inputs") if isinstance(report, dict) else None
+    if not isinstance(inputs, dict) or inputs.get("output_sha256") != output_digest(journal):
+        return "the output changed since it was validated"
+    if prov["validation"].get("inputs_sha256") != _digest(inputs):
+        return "the verdict does not belong to the report"
+    options = journal.start.get("options") if journal.start else None
+    src = options.get("source") if isinstance(options, dict) else None
+    recorded = inputs.get("source")
+    if isinstance(src, str) and isinstance(recorded, dict) and Path(src).is_dir():
+        try:
+            now = source_identity(src)
+        except KimiQuantError:
+            now = {}
+        if any(now.get(name) != ident for name, ident in recorded.items()):
+            return "the source changed since it was validated"
+    return None
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def rebind_validation(out_dir: Path, journal: Journal) -> None:
+    """After convert rewrote the files around the shards: a carried validation stays (covered again by
+    the journal) only while its report names this very output; otherwise it is dropped, with one line."""
+    from ..layout.model_card import model_card
+    from ..write import write_atomic, write_json_atomic
+
+    prov = _read_json(out_dir / PROVENANCE)
+    if not isinstance(prov, dict) or "validation" not in prov:
+        return
+    report = _read_json(out_dir / VALIDATION)
+    inputs = report.get("inputs") if isinstance(report, dict) else None
+    if (isinstance(inputs, dict) and inputs.get("output_sha256") == output_digest(journal)
+            and isinstance(prov["validation"], dict) and prov["validation"].get("inputs_sha256") == _digest(inputs)):
+        journal.mark_complete(sorted(set(journal.metadata) | {PROVENANCE, VALIDATION}))
+        return
+    prov.pop("validation")
+    write_json_atomic(out_dir / PROVENANCE, prov)
+    (out_dir / VALIDATION).unlink(missing_ok=True)
+    write_atomic(out_dir / CARD, model_card(out_dir).encode())
+    log.warning("kimi-quant: warning: %s: its validation was of other files (config or shards rewritten): dropped; "
+                "`kimi-quant validate` measures this output", out_dir)
+
+
+def record(out_dir: str | Path, report: dict, max_ppl_increase: float | None, source: str | Path | None = None,
+           force: bool = False, mismatch: str | None = None) -> dict:
     """Store ``report`` and its verdict in ``out_dir`` (a kimi-quant output: report, provenance,
     model card; another tool's directory is left alone) and raise ValidationFailed (exit 3) if it
-    failed. Returns the verdict."""
-    from ..layout.model_card import CARD, model_card
+    failed. Returns the verdict. The report is bound to what it measured: the digest of the output
+    and the identity of ``source`` (the BF16 directory), and the journal covers the verdict. A report
+    that cannot be of the output's own source (``not_its_source``) is refused, with ``force`` shown
+    but never recorded (nor is one whose source a caller found to differ: ``mismatch``).
+    The verdict says whether it was recorded (``recorded``)."""
+    from ..layout.model_card import model_card
     from ..write import write_atomic, write_json_atomic
 
     out_dir = Path(out_dir)
     verdict = gate(report, max_ppl_increase)
-    if (out_dir / JOURNAL).exists() and (out_dir / PROVENANCE).exists():
-        write_json_atomic(out_dir / VALIDATION, {**report, "max_ppl_increase_pct": max_ppl_increase,
-                                                 "passed": verdict["passed"]})
+    ours = (out_dir / JOURNAL).exists() and (out_dir / PROVENANCE).exists()
+    wrong = mismatch or not_its_source(report)
+    if wrong and not force:
+        raise KimiQuantError(f"{wrong}; nothing recorded in {out_dir} (--force shows the numbers without recording "
+                             "them)")
+    if wrong:
+        log.warning("kimi-quant: warning: %s; --force: the numbers are shown, not recorded as a validation", wrong)
+        ours = False
+    if ours:
+        journal = Journal(out_dir)
+        inputs = {"output_sha256": output_digest(journal),
+                  "source": source_identity(source) if source is not None else None}
+        shown = {**report, "source": LOCAL_SOURCE, "quantized": "this output"}  # no local paths published
+        write_json_atomic(out_dir / VALIDATION, {**shown, "max_ppl_increase_pct": max_ppl_increase,
+                                                 "passed": verdict["passed"], "inputs": inputs})
         prov = json.loads((out_dir / PROVENANCE).read_text())
-        prov["validation"] = verdict
+        prov["validation"] = {**verdict, "inputs_sha256": _digest(inputs)}
         write_json_atomic(out_dir / PROVENANCE, prov)
+        journal.mark_complete(sorted(set(journal.metadata) | {PROVENANCE, VALIDATION}))  # the verdict, covered
         write_atomic(out_dir / CARD, model_card(out_dir).encode())
         where = f"; the output stays in {out_dir}, marked as failing (verify fails, publish refuses it)"
     else:
         where = ""
+    verdict = {**verdict, "recorded": ours}
     if not verdict["passed"]:
         raise ValidationFailed(failed_message(verdict) + where)
     return verdict

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from pathlib import Path
 
 from ..errors import KimiQuantError
 
+log = logging.getLogger(__name__)
+
 TIKTOKEN_FILE = "tiktoken.model"
+#: a BPE rank is an id: tiktoken keeps it in 32 bits
+MAX_RANK = 2**31
 NUM_SPECIAL = 256
 
 # Letters other than Han, split into "upper-ish" and "lower-ish" classes (lookahead instead of class
@@ -46,11 +51,17 @@ def read_ranks(path: str | Path) -> dict[bytes, int]:
             continue
         try:
             tok, rank = line.split()
-            ranks[base64.b64decode(tok)] = int(rank)
+            rank = int(rank)
+            if not 0 <= rank < MAX_RANK:
+                raise ValueError("rank out of range")
+            ranks[base64.b64decode(tok, validate=True)] = rank
         except ValueError:
-            raise KimiQuantError(f"{path}:{lineno}: not a '<base64 token> <rank>' line") from None
+            raise KimiQuantError(f"{path}:{lineno}: not a '<base64 token> <rank>' line (rank: an integer from 0 "
+                                 f"below {MAX_RANK})") from None
     if not ranks:
         raise KimiQuantError(f"{path}: holds no BPE ranks")
+    if len(set(ranks.values())) != len(ranks):
+        raise KimiQuantError(f"{path}: two tokens share a rank; a BPE file gives each token its own")
     return ranks
 
 
@@ -101,15 +112,31 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     names = None
     tc = d / "tokenizer_config.json"
     if tc.is_file():
-        try:
-            added = json.loads(tc.read_text()).get("added_tokens_decoder") or {}
-            n_ranks = max(ranks.values()) + 1
-            by_id = {int(k): v.get("content") for k, v in added.items() if isinstance(v, dict)}
-            if by_id:
-                names = [by_id.get(n_ranks + i) or f"<|reserved_token_{i}|>" for i in range(NUM_SPECIAL)]
-        except (ValueError, json.JSONDecodeError, AttributeError):
-            names = None
+        names = _special_names(tc, max(ranks.values()) + 1)
     return Tokenizer(ranks, names, name=d.name or "kimi")
+
+
+def _special_names(tc: Path, n_ranks: int) -> list[str] | None:
+    """The specials' names from ``tokenizer_config.json``'s ``added_tokens_decoder`` (None: the default
+    names). Entries that are not a numeric id with a non-empty string content, or that repeat a name,
+    are skipped; a file that is not a JSON object of that shape gives the defaults, with one warning."""
+    try:
+        added = json.loads(tc.read_bytes().decode("utf-8")).get("added_tokens_decoder") or {}
+        if not isinstance(added, dict):
+            raise ValueError("added_tokens_decoder is not an object")
+    except (ValueError, AttributeError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError included
+        why = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())[:80]
+        log.warning("kimi-quant: warning: %s ignored (%s): the special tokens get their default names", tc, why)
+        return None
+    by_id: dict[int, str] = {}
+    for k, v in added.items():
+        content = v.get("content") if isinstance(v, dict) else None
+        if k.isdigit() and isinstance(content, str) and content and content not in by_id.values():
+            by_id[int(k)] = content
+    if not by_id:
+        return None
+    names = [by_id.get(n_ranks + i) or f"<|reserved_token_{i}|>" for i in range(NUM_SPECIAL)]
+    return names if len(set(names)) == len(names) else None
 
 
 def tokenizer_config(n_ranks: int, names: list[str] | None = None) -> dict:
