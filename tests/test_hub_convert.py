@@ -85,6 +85,7 @@ class Served:
         self.shards = sorted(p.name for p in local.glob("*.safetensors"))
         self.sizes = {s: (local / s).stat().st_size for s in self.shards}
         self.reference: Path | None = None  # local conversion, made once
+        self.target = TARGET
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +100,13 @@ def ckpts(olah, tmp_path_factory):
     base = tmp_path_factory.mktemp("hubconv")
     raw = synth("tiny", base / "synth", random_weights=True)
     layered = layer_ordered(raw, base / "layered", 6)
-    out = {"synth": Served(olah, raw, "synth"), "layered": Served(olah, layered, "layered")}
+    released = synth("tiny", base / "released", random_weights=True, experts="mxfp4")  # as Kimi K3 is published
+    out = {"synth": Served(olah, raw, "synth"), "layered": Served(olah, layered, "layered"),
+           "released": Served(olah, released, "released")}
+    out["released"].target = "950dt"  # its experts' codes and scales, copied: the MXFP4 source's own path
     for k, s in out.items():
         s.reference = base / f"ref-{k}"
-        _convert_local(s.local, s.reference)
+        _convert_local(s.local, s.reference, s.target)
     return out
 
 
@@ -116,18 +120,18 @@ def hub_env(olah, monkeypatch):
     return {"HF_ENDPOINT": olah.endpoint}
 
 
-def _opts(out: Path, **kw):
+def _opts(out: Path, target: str = TARGET, **kw):
     from kimi_quant.convert import ConvertOptions
     from kimi_quant.cli import parse_size
 
-    return ConvertOptions(target=TARGET, output=out, max_shard_size=parse_size(MAX_SHARD), quiet=True,
+    return ConvertOptions(target=target, output=out, max_shard_size=parse_size(MAX_SHARD), quiet=True,
                           workers=kw.pop("workers", 1), **kw)
 
 
-def _convert_local(src: Path, out: Path):
+def _convert_local(src: Path, out: Path, target: str = TARGET):
     from kimi_quant.convert import convert
 
-    return convert(str(src), _opts(out, hash_inputs=True))  # the sha256s a hub source lists for free
+    return convert(str(src), _opts(out, target, hash_inputs=True))  # the sha256s a hub source lists for free
 
 
 def _same_output(got: Path, ref: Path) -> dict:
@@ -157,13 +161,13 @@ def _peak_line(stdout: str) -> float:
     return float(m.group(1)) * (1e6 if m.group(2) == "MB" else 1e9)
 
 
-@pytest.mark.parametrize("kind,workers", [("synth", 1), ("layered", 2)])
+@pytest.mark.parametrize("kind,workers", [("synth", 1), ("layered", 2), ("released", 2)])
 def test_hub_convert_matches_local(ckpts, hub_env, tmp_path, kind, workers):
     s = ckpts[kind]
-    # the scattered synth layout needs every shard for every unit: the window must hold them all
-    window = sum(s.sizes.values()) if kind == "synth" else int(2.2 * max(s.sizes.values()))
+    # the scattered synth layouts need every shard for every unit: the window must hold them all
+    window = int(2.2 * max(s.sizes.values())) if kind == "layered" else sum(s.sizes.values())
     out, work = tmp_path / "out", tmp_path / "work"
-    r = kq("convert", s.repo_id, "--target", TARGET, "--output", out, "--work-dir", work, "--max-disk", window,
+    r = kq("convert", s.repo_id, "--target", s.target, "--output", out, "--work-dir", work, "--max-disk", window,
            "--max-shard-size", MAX_SHARD, "--workers", workers, env=hub_env)
     assert r.returncode == 0, r.stderr
     prov = _same_output(out, s.reference)
