@@ -5,9 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import numerics as nm
-from .base import Codec, Spec, load_kernels, register
-from .gptq import Grid
-from .int_schemes import _raise_nonfinite, _u16
+from .base import Codec, Grid, Spec, bf16_bits, load_kernels, raise_nonfinite_bf16, register
 from .numerics import BLOCK
 
 
@@ -35,11 +33,11 @@ class _MX(Codec):
         return {"weight": self._pack(codes.astype(np.uint8)), "weight_scale": np.ascontiguousarray(grid.scale_bytes)}
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
-        w = _u16(w_u16)
+        w = bf16_bits(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = getattr(load_kernels(), self.kernel)(w, res["weight"], res["weight_scale"])
         if bad >= 0:
-            _raise_nonfinite(w, bad)
+            raise_nonfinite_bf16(w, bad)
         return res
 
     def dequantize(self, tensors):
