@@ -184,23 +184,37 @@ def _prepared(H: np.ndarray, order: np.ndarray, dead: np.ndarray, shift: float, 
 
     K = len(order)
     R = torch.empty((K, K), dtype=dtype)
-    Rn = R.numpy()
     dead_o = dead[order]
+    if dtype == torch.float64 and H.dtype == np.float64:  # one pass over a matrix that fits
+        from .gptq_kernels import permute_symmetric
+
+        Rn = R.numpy()
+        permute_symmetric(np.ascontiguousarray(H), np.ascontiguousarray(order, np.int64), Rn)
+        if dead_o.any():
+            Rn[:, dead_o] = 0
+            Rn[dead_o] = 0
+        i = np.arange(K)
+        Rn[i, i] = np.where(dead_o, 1.0, Rn[i, i]) + shift
+        return R
     for a in range(0, K, PREP_ROWS):
         rows = order[a:a + PREP_ROWS]
-        blk = (H[rows][:, order].astype(np.float64) + H[:, rows][order].T.astype(np.float64)) * 0.5
+        n = len(rows)
+        blk = np.take(np.take(H, rows, axis=0), order, axis=1).astype(np.float64, copy=False)
+        blk = blk + np.take(np.take(H, rows, axis=1), order, axis=0).T
+        blk *= 0.5
         blk[:, dead_o] = 0
-        blk[dead_o[a:a + PREP_ROWS]] = 0
-        i = np.arange(len(rows))
-        blk[i, a + i] = np.where(dead_o[a:a + PREP_ROWS], 1.0, blk[i, a + i]) + shift
-        Rn[a:a + len(rows)] = blk
+        blk[dead_o[a:a + n]] = 0
+        i = np.arange(n)
+        blk[i, a + i] = np.where(dead_o[a:a + n], 1.0, blk[i, a + i]) + shift
+        R[a:a + n] = torch.from_numpy(blk)
     return R
 
 
 def _lower_inverse_in_place(L, leaf: int = 256):
     """L <- L^-1 for a lower-triangular float32 torch matrix (zeros above the diagonal), recursively:
-    inv([[A, 0], [C, D]]) = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]: matrix products (2 K^3 / 3 flops, where a
-    triangular solve against the identity takes K^3, at a lower rate), in chunks of ~64 MiB temporaries."""
+    inv([[A, 0], [C, D]]) = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], the products with the triangular
+    inverses by ``_trmm`` (K^3 / 3 flops at matmul speed, where a triangular solve against the
+    identity takes K^3 at a lower rate)."""
     import torch
 
     n = L.shape[0]
@@ -210,12 +224,32 @@ def _lower_inverse_in_place(L, leaf: int = 256):
     h = n // 2
     _lower_inverse_in_place(L[:h, :h], leaf)
     _lower_inverse_in_place(L[h:, h:], leaf)
-    Ai, C, Di = L[:h, :h], L[h:, :h], L[h:, h:]
-    step = max(1, (1 << 24) // max(h, 1))  # rows / columns per chunk: temporaries of ~64 MiB
-    for r in range(0, n - h, step):
-        C[r:r + step] = C[r:r + step] @ Ai
-    for c in range(0, h, step):
-        C[:, c:c + step] = -(Di @ C[:, c:c + step])
+    C = L[h:, :h]
+    C.copy_(_trmm(C, L[:h, :h], right=True))
+    C.copy_(_trmm(L[h:, h:], C, right=False))
+    C.neg_()
+
+
+def _trmm(X, Y, right: bool, leaf: int = 512):
+    """X @ Y with the lower-triangular factor (Y if ``right``, else X) split recursively, so that its
+    zero upper part is never multiplied: half the flops of a full product."""
+    import torch
+
+    T = Y if right else X
+    n = T.shape[0]
+    if n <= leaf:
+        return X @ Y
+    h = n // 2
+    if right:  # X [m, n] @ [[A, 0], [B, D]] = [X1 A + X2 B, X2 D]
+        X1, X2 = X[:, :h], X[:, h:]
+        left = _trmm(X1, T[:h, :h], True, leaf)
+        left.addmm_(X2, T[h:, :h])
+        return torch.cat((left, _trmm(X2, T[h:, h:], True, leaf)), 1)
+    # [[A, 0], [B, D]] @ Y [n, m] = [A Y1, B Y1 + D Y2]
+    Y1, Y2 = Y[:h], Y[h:]
+    low = _trmm(T[h:, h:], Y2, False, leaf)
+    low.addmm_(T[h:, :h], Y1)
+    return torch.cat((_trmm(T[:h, :h], Y1, False, leaf), low), 0)
 
 
 def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Factor:
@@ -247,7 +281,7 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
         if int(info) == 0:
             L = L.to(torch.float32)
             _lower_inverse_in_place(L)
-            if bool(torch.isfinite(L).all()):
+            if bool(torch.isfinite(L.sum())):  # an overflow anywhere makes the sum inf or nan
                 if L.device.type == "cpu":
                     from .gptq_kernels import flip_in_place
 
@@ -290,11 +324,12 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
     B = int(cfg.block_size)
     U = Uinv if Uinv.dtype == torch.float32 else Uinv.to(torch.float32)
     if kernel and dev.type == "cpu":
-        from .gptq_kernels import gptq_block
+        from .gptq_kernels import gather_transposed, gptq_block, scatter_transposed
 
-        order = perm.cpu().numpy() if perm is not None else np.arange(K)
-        WT = torch.from_numpy(w).T[torch.from_numpy(order)].contiguous()  # [K, N]: a block of columns is a block of rows
-        Wn = WT.numpy()
+        order = np.ascontiguousarray(perm.cpu().numpy() if perm is not None else np.arange(K), np.int64)
+        Wn = np.empty((K, N), dtype=np.float32)  # [K, N]: a block of columns is a block of rows
+        gather_transposed(w, order, Wn)
+        WT = torch.from_numpy(Wn)
         scale_t = np.ascontiguousarray(np.asarray(grid.scale, np.float32).T)  # [K // group, N]
         CT = np.empty((K, N), dtype=np.int16)
         ET = torch.empty((min(B, K), N), dtype=torch.float32)
@@ -309,9 +344,9 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
                        qmin, qmax, CT[i1:i2], E1.numpy(), sq)
             for r1 in range(i2, K, UPDATE_ROWS):  # W[:, later] -= E1 U[block, later], transposed
                 r2 = min(r1 + UPDATE_ROWS, K)
-                WT[r1:r2] -= U[i1:i2, r1:r2].T @ E1
+                WT[r1:r2].addmm_(U[i1:i2, r1:r2].T, E1, alpha=-1)
         codes = np.empty((N, K), dtype=np.int16)
-        codes[:, order] = CT.T
+        scatter_transposed(CT, order, codes)
         return codes, sq
     W = torch.tensor(w, dtype=torch.float32, device=dev)
     S = torch.tensor(np.repeat(grid.scale, grid.group, axis=1) if grid.group < K else
@@ -344,14 +379,17 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
 def values_of(codes: np.ndarray, grid: Grid) -> np.ndarray:
     """float32 [N, K]: the weights the codes stand for (what ``dequantize`` of the encoded bytes gives)."""
     N, K = codes.shape
-    s = np.repeat(grid.scale, grid.group, axis=1) if grid.group < K else np.broadcast_to(grid.scale, (N, K))
     if grid.kind == "int":
         v = codes.astype(np.float32)
     elif grid.kind == "e2m1":
         v = nm.e2m1_to_f32(codes.astype(np.uint8))
     else:
         v = nm.e4m3_to_f32(codes.astype(np.uint8))
-    return (v * s).astype(np.float32)
+    if grid.group >= K:
+        v *= np.asarray(grid.scale, np.float32).reshape(N, 1)
+    else:
+        v.reshape(N, K // grid.group, grid.group)[...] *= np.asarray(grid.scale, np.float32)[:, :, None]
+    return v
 
 
 def weighted_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> np.ndarray:
@@ -394,8 +432,8 @@ class _Judge:
         edges = [round(i * K / nb) for i in range(nb + 1)]
         self.blocks = list(zip(edges[:-1], edges[1:]))
         self._kept = [self._triangle_block(a, b) for a, b in self.blocks] if K <= FLOAT64_MAX_K else None
-        diag = np.clip(np.diagonal(hessian).astype(np.float64), 0, None)
-        self.floor = 1e-9 * ((w.astype(np.float64) ** 2) @ diag)
+        diag = np.clip(np.diagonal(hessian), 0, None).astype(np.float32)
+        self.floor = 1e-9 * ((w * w) @ diag).astype(np.float64)
         self.refined = 0  # rows re-judged in float64 (diagnostic)
 
     def _triangle_block(self, a: int, b: int):
@@ -404,42 +442,51 @@ class _Judge:
         import torch
 
         H = self.hessian
-        T = (H[:b, a:b].astype(np.float64) + H[a:b, :b].T.astype(np.float64)) * 0.5
+        T = (np.asarray(H[:b, a:b], np.float64) + np.asarray(H[a:b, :b], np.float64).T) * 0.5
         sq = T[a:b]  # the square part: rows a..b
         sq[np.tril_indices(b - a, -1)] = 0
         sq[np.diag_indices(b - a)] *= 0.5
         return torch.from_numpy(T.astype(np.float32)).to(self.dev)
 
-    def fast(self, values: np.ndarray) -> np.ndarray:
-        """float32 estimate of each row's error, as float64 numpy [N]."""
+    def fast(self, values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """float32 estimate of each row's error (of rows ``rows`` only, whose values are ``values[rows]``),
+        as float64 numpy."""
         import torch
 
-        N = values.shape[0]
-        out = torch.zeros(N, dtype=torch.float64, device=self.dev)
-        for r1 in range(0, N, JUDGE_ROWS):
-            r2 = min(r1 + JUDGE_ROWS, N)
-            D = self.W32[r1:r2] - torch.from_numpy(np.ascontiguousarray(values[r1:r2], np.float32)).to(self.dev)
+        idx = np.arange(values.shape[0]) if rows is None else np.asarray(rows)
+        out = torch.zeros(len(idx), dtype=torch.float64, device=self.dev)
+        for r1 in range(0, len(idx), JUDGE_ROWS):
+            sel = idx[r1:r1 + JUDGE_ROWS]
+            part = slice(r1, r1 + len(sel))
+            if rows is None:
+                D = self.W32[part] - torch.from_numpy(np.ascontiguousarray(values[part], np.float32)).to(self.dev)
+            else:
+                D = torch.from_numpy(self.w[sel] - np.asarray(values[sel], np.float32)).to(self.dev)
             for i, (a, b) in enumerate(self.blocks):  # sum_j (sum_{k <= j} D[:, k] T[k, j]) D[:, j]
                 T = self._kept[i] if self._kept is not None else self._triangle_block(a, b)
-                out[r1:r2] += ((D[:, :b] @ T) * D[:, a:b]).sum(dim=1, dtype=torch.float64)
+                out[part] += ((D[:, :b] @ T) * D[:, a:b]).sum(dim=1, dtype=torch.float64)
         return out.mul_(2.0).cpu().numpy()
 
     def from_gptq(self, values: np.ndarray, sq: np.ndarray, factor: "Factor") -> np.ndarray:
         """The error of a GPTQ result from its own sum of e^2 (``gptq_run``): d H d = d H' d - shift |d|^2
         when no input is dead; else (H' differs from H on the dead inputs) the float32 products."""
+        import torch
+
         if factor.dead:
             return self.fast(values)
-        d = self.w.astype(np.float64) - values.astype(np.float64)
-        return sq - factor.shift * np.einsum("nk,nk->n", d, d)
+        d = torch.from_numpy(self.w) - torch.from_numpy(np.ascontiguousarray(values, np.float32))
+        return sq - factor.shift * (d * d).sum(dim=1, dtype=torch.float64).numpy()
 
     def exact(self, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
         """float64 error of rows ``rows`` whose quantized values are ``values`` [len(rows), K]."""
         D = self.w[rows].astype(np.float64) - values.astype(np.float64)
         K = D.shape[1]
+        if self.hessian.dtype == np.float64 and K <= FLOAT64_MAX_K:
+            return ((D @ self.hessian) * D).sum(axis=1)
         out = np.zeros(len(rows))
         step = max(1, (1 << 24) // K)  # columns of H per product: float64 temporaries of ~128 MiB
         for a in range(0, K, step):
-            out += ((D @ self.hessian[:, a:a + step].astype(np.float64)) * D[:, a:a + step]).sum(axis=1)
+            out += ((D @ np.asarray(self.hessian[:, a:a + step], np.float64)) * D[:, a:a + step]).sum(axis=1)
         return out
 
     def choose(self, errs: list, values_of_rows: list):
@@ -480,31 +527,29 @@ class _Judge:
         return G.astype(np.float32), r.astype(np.float32)
 
 
-_LAST_FACTOR: list = []  # [(key, Factor)]: the last factor, for Linears sharing one H
-#: largest K whose factor is kept after the call (K^2 x 4 B: 256 MiB); larger ones (a dense MLP's
-#: down projection, K ~ 34k) are not held past their own call
+_LAST_FACTOR: list = []  # [(copy of H, damp, act_order, device, Factor)]: the last factor, for Linears sharing one H
+#: largest K whose factor is kept after the call (with a copy of its H to recognise it: K^2 x 12 B,
+#: 768 MiB at 8192); larger ones (a dense MLP's down projection, K ~ 34k) are not held past their call
 KEEP_FACTOR_MAX_K = 8192
 
 
 def _factor(hessian, K: int, cfg: GPTQConfig, dev) -> Factor:
-    """The prepared, permuted and inverted H (``Factor``).  The last one is kept (keyed by a BLAKE2b
-    digest of H's bytes, no copy): Linears fed the same input (q/k/v, gate/up) come one after another
-    with equal H."""
-    import hashlib
-
+    """The prepared, permuted and inverted H (``Factor``).  The last one is kept with a copy of its H:
+    Linears fed the same input (q/k/v, gate/up) come one after another with equal H (compared
+    element for element; a copy, so that a caller refilling its array in place is never served a
+    stale factor)."""
     H = np.asarray(hessian)
     _check_hessian(H, K)
-    if K > KEEP_FACTOR_MAX_K:
-        _LAST_FACTOR.clear()
-        return _factor_once(H, K, cfg.damp, cfg.act_order, dev)
-    h = np.ascontiguousarray(H)
-    key = (hashlib.blake2b(h.data, digest_size=32).digest(), h.shape, str(h.dtype), cfg.damp, cfg.act_order, str(dev))
-    if _LAST_FACTOR and _LAST_FACTOR[0][0] == key:
-        return _LAST_FACTOR[0][1]
+    params = (cfg.damp, cfg.act_order, str(dev))
+    if _LAST_FACTOR:
+        kept, kept_params, factor = _LAST_FACTOR[0]
+        if kept_params == params and kept.dtype == H.dtype and np.array_equal(kept, H):
+            return factor
     _LAST_FACTOR.clear()
-    out = _factor_once(h, K, cfg.damp, cfg.act_order, dev)
-    _LAST_FACTOR.append((key, out))
-    return out
+    factor = _factor_once(H, K, cfg.damp, cfg.act_order, dev)
+    if K <= KEEP_FACTOR_MAX_K:
+        _LAST_FACTOR.append((H.copy(), params, factor))
+    return factor
 
 
 def _rows(g: Grid, rows: np.ndarray) -> Grid:
@@ -605,36 +650,58 @@ def _scaled(g: Grid, r: float) -> Grid:
 
 
 #: columns of the pivoted Cholesky screen of the clip search (``_Judge.screen``)
-SCREEN_RANK = 64
+SCREEN_RANK = 32
 
 
 def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, finalists: int) -> Grid:
     """Per row, the scale among ``g``'s and r x it (r in ``ratios``) whose plain rounding has the
     smallest input-weighted error on H (ties keep the earlier, the unclipped first).
 
-    With more clipped ratios than ``finalists``, each row's clipped ratios are first screened on a
-    cheap estimate (``_Judge.screen``) and only the ``finalists`` best of them are judged, beside the
-    unclipped scale: one float32 [N, K] x [K, K] product per finalist instead of one per ratio.
-    Appends (g, its plain codes, their error) to ``known`` (the guard's data-free codes, often the same)."""
+    With more clipped ratios than ``finalists``, every ratio is first scored on a cheap estimate
+    (``_Judge.screen``); per row the best-scored clipped ratio is judged beside the unclipped scale,
+    and the next ones (up to ``finalists``) only on the rows where their score comes within the
+    screen's own inaccuracy of the best (measured on the unclipped candidate, judged anyway: twice its
+    largest relative error): about one float32 [N, K] x [K, K] product per finalist kept instead of
+    one per ratio.  Appends (g, its plain codes, their error) to ``known`` (the guard's data-free
+    codes, often the same)."""
     clipped = [_scaled(g, r) for r in ratios]
 
     def plain(grid, rows=slice(None)):  # per channel (_clippable): scale [N, 1]
-        return np.clip(np.rint(w[rows] / grid.scale[rows]), grid.qmin, grid.qmax)
+        c = w[rows] / grid.scale[rows]
+        return np.clip(np.rint(c, out=c), grid.qmin, grid.qmax, out=c)
 
     codes0 = plain(g)
-    err0 = judge.fast(values_of(codes0, g))
+    values0 = values_of(codes0, g)
+    err0 = judge.fast(values0)
     known.append((g, codes0.astype(np.int8), err0))
-    if len(clipped) > finalists:
+    grids, errs = [g], [err0]
+    if len(clipped) <= finalists:
+        grids += clipped
+        errs += [judge.fast(values_of(plain(gr), gr)) for gr in clipped]
+    else:
         G, r = judge.screen(SCREEN_RANK)
-        scores = []
-        for grid in clipped:
-            d = w - values_of(plain(grid), grid)
-            scores.append(((d @ G).astype(np.float64) ** 2).sum(axis=1) + (d * d).astype(np.float64) @ r)
-        # each row's finalists in ratio order, so that ties still go to the earlier ratio
-        pick = np.sort(np.argsort(np.stack(scores), axis=0, kind="stable")[:finalists], axis=0)
-        clipped = [_pick_rows(p, clipped) for p in pick]
-    grids = [g, *clipped]
-    errs = [err0, *(judge.fast(values_of(plain(gr), gr)) for gr in clipped)]
+
+        def score(values):
+            d = w - values
+            p = d @ G
+            d *= d
+            return (p * p).sum(axis=1, dtype=np.float64) + d @ r
+
+        scores = np.stack([score(values_of(plain(gr), gr)) for gr in clipped])
+        rel = np.abs(score(values0) / np.maximum(err0, judge.floor + 1e-300) - 1)
+        slack = min(1.0, 2.0 * float(rel.max()))
+        order = np.argsort(scores, axis=0, kind="stable")
+        best_score = scores[order[0], np.arange(len(w))]
+        for f in range(finalists):
+            grid = _pick_rows(order[f], clipped)
+            rows = None if f == 0 else np.flatnonzero(scores[order[f], np.arange(len(w))] <= best_score * (1 + slack))
+            if rows is not None and rows.size == 0:
+                break
+            e = np.full(len(w), np.inf)
+            values = values_of(plain(grid), grid)
+            e[slice(None) if rows is None else rows] = judge.fast(values, rows)
+            grids.append(grid)
+            errs.append(e)
     best, _ = judge.choose(errs, [lambda rows, gr=gr: values_of(plain(gr, rows), _rows(gr, rows)) for gr in grids])
     return _pick_rows(best, grids)
 

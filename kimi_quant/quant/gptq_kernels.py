@@ -49,21 +49,23 @@ def gptq_block(WT, ST, U1, kind, qmin, qmax, CT, ET, sq):
     e2m1 = E2M1_VALUES
     for t0 in range(0, N, TILE):
         t1 = min(t0 + TILE, N)
-        for i in range(B):
-            wi = WT[i]
-            si = ST[i]
-            ci = CT[i]
-            ei = ET[i]
+        T = t1 - t0
+        sqt = sq[t0:t1]
+        for i in range(B):  # slices of the tile: plain loops over 0..T that LLVM vectorizes
+            wi = WT[i, t0:t1]
+            si = ST[i, t0:t1]
+            ci = CT[i, t0:t1]
+            ei = ET[i, t0:t1]
             d = U1[i, i]
             if kind == KIND_INT:
-                for n in range(t0, t1):
+                for n in range(T):
                     x = wi[n]
                     s = si[n]
                     c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
                     ci[n] = np.int16(c)
                     ei[n] = np.float32(np.float32(x - np.float32(c * s)) / d)
             elif kind == KIND_E2M1:
-                for n in range(t0, t1):
+                for n in range(T):
                     x = wi[n]
                     s = si[n]
                     y = np.float32(abs(x) / s)
@@ -76,7 +78,7 @@ def gptq_block(WT, ST, U1, kind, qmin, qmax, CT, ET, sq):
                     v = np.float32((-mag if neg else mag) * s)
                     ei[n] = np.float32(np.float32(x - v) / d)
             else:
-                for n in range(t0, t1):
+                for n in range(T):
                     x = wi[n]
                     s = si[n]
                     y = min(np.float32(abs(x) / s), np.float32(E4M3_MAX))
@@ -85,12 +87,12 @@ def gptq_block(WT, ST, U1, kind, qmin, qmax, CT, ET, sq):
                     ci[n] = b | (128 if neg and b > 0 else 0)
                     v = np.float32((-mag if neg else mag) * s)
                     ei[n] = np.float32(np.float32(x - v) / d)
-            for n in range(t0, t1):
-                sq[n] += np.float64(ei[n]) * np.float64(ei[n])
+            for n in range(T):
+                sqt[n] += np.float64(ei[n]) * np.float64(ei[n])
             for j in range(i + 1, B):
                 u = U1[i, j]
-                wj = WT[j]
-                for n in range(t0, t1):
+                wj = WT[j, t0:t1]
+                for n in range(T):
                     wj[n] = np.float32(wj[n] - np.float32(ei[n] * u))
 
 
@@ -110,3 +112,50 @@ def flip_in_place(A):
             a = A[i, j]
             A[i, j] = A[r, K - 1 - j]
             A[r, K - 1 - j] = a
+
+
+@njit(cache=True)
+def permute_symmetric(H, order, out):
+    """out[a, b] = (H[o_a, o_b] + H[o_b, o_a]) / 2 in float64 (o = order), cast to out's dtype: the
+    permuted symmetric part of H, gathered row by row and averaged in 64 x 64 tiles (cache friendly)."""
+    K = len(order)
+    for a in range(K):
+        src = H[order[a]]
+        dst = out[a]
+        for b in range(K):
+            dst[b] = src[order[b]]
+    t = 64
+    for a0 in range(0, K, t):
+        for b0 in range(a0, K, t):
+            for a in range(a0, min(a0 + t, K)):
+                for b in range(max(b0, a), min(b0 + t, K)):
+                    v = (np.float64(out[a, b]) + np.float64(out[b, a])) * 0.5
+                    out[a, b] = v
+                    out[b, a] = v
+
+
+@njit(cache=True)
+def gather_transposed(w, order, out):
+    """out[k, n] = w[n, order[k]] (a transpose with the columns permuted), in 64 x 64 tiles."""
+    N, K = w.shape
+    t = 64
+    for k0 in range(0, K, t):
+        for n0 in range(0, N, t):
+            for k in range(k0, min(k0 + t, K)):
+                c = order[k]
+                row = out[k]
+                for n in range(n0, min(n0 + t, N)):
+                    row[n] = w[n, c]
+
+
+@njit(cache=True)
+def scatter_transposed(CT, order, out):
+    """out[n, order[k]] = CT[k, n]: the inverse of ``gather_transposed``, in 64 x 64 tiles."""
+    K, N = CT.shape
+    t = 64
+    for n0 in range(0, N, t):
+        for k0 in range(0, K, t):
+            for n in range(n0, min(n0 + t, N)):
+                row = out[n]
+                for k in range(k0, min(k0 + t, K)):
+                    row[order[k]] = CT[k, n]
