@@ -415,3 +415,18 @@ def test_float32_working_set_for_a_large_k(monkeypatch, name, matmul):
         got = gptq_quantize(codec, w, matmul, h)
         assert np.mean(codec.dequantize(got) == codec.dequantize(want)) > 0.99
         assert abs(weighted_error(w, codec.dequantize(got), H).sum() / e_want - 1) < 1e-3
+
+
+@pytest.mark.parametrize("name,matmul", [("W4A8_DYNAMIC", "down"), ("W4A8_MXFP", None)])
+def test_row_chunks_give_the_same_bytes(monkeypatch, name, matmul):
+    """A large matrix is quantized in chunks of rows (bounded working arrays): rows are independent
+    given the factor, so the bytes are those of one pass."""
+    from kimi_quant.quant import gptq as G
+
+    codec = get_codec(name)
+    w, H = _problem(35, "mixed")
+    want = gptq_quantize(codec, w, matmul, H)
+    monkeypatch.setattr(G, "ROW_CHUNK_ELEMS", 40 * w.shape[1])  # 40 rows per chunk: 96 = 40 + 40 + 16
+    got = gptq_quantize(codec, w, matmul, H)
+    for k in want:
+        assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), k

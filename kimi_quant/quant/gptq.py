@@ -179,12 +179,13 @@ def _check_hessian(H: np.ndarray, K: int) -> None:
 def _prepared(H: np.ndarray, order: np.ndarray, dead: np.ndarray, shift: float, dtype):
     """R = the prepared H' in ``order`` (R[a, b] = H'[order[a], order[b]]) as a new torch matrix of
     ``dtype``: (H + H^T) / 2 in float64, dead rows/columns zero with 1 on the diagonal, + ``shift`` on
-    the diagonal; built PREP_ROWS rows at a time (float64 temporaries of that many rows only)."""
+    the diagonal; above FLOAT64_MAX_K built a few rows at a time (float64 temporaries of ~128 MiB)."""
     import torch
 
     K = len(order)
     R = torch.empty((K, K), dtype=dtype)
     dead_o = dead[order]
+    step = min(PREP_ROWS, max(16, (1 << 24) // K))
     if dtype == torch.float64 and H.dtype == np.float64:  # one pass over a matrix that fits
         from .gptq_kernels import permute_symmetric
 
@@ -196,8 +197,8 @@ def _prepared(H: np.ndarray, order: np.ndarray, dead: np.ndarray, shift: float, 
         i = np.arange(K)
         Rn[i, i] = np.where(dead_o, 1.0, Rn[i, i]) + shift
         return R
-    for a in range(0, K, PREP_ROWS):
-        rows = order[a:a + PREP_ROWS]
+    for a in range(0, K, step):
+        rows = order[a:a + step]
         n = len(rows)
         blk = np.take(np.take(H, rows, axis=0), order, axis=1).astype(np.float64, copy=False)
         blk = blk + np.take(np.take(H, rows, axis=1), order, axis=0).T
@@ -225,8 +226,11 @@ def _lower_inverse_in_place(L, leaf: int = 256):
     _lower_inverse_in_place(L[:h, :h], leaf)
     _lower_inverse_in_place(L[h:, h:], leaf)
     C = L[h:, :h]
-    C.copy_(_trmm(C, L[:h, :h], right=True))
-    C.copy_(_trmm(L[h:, h:], C, right=False))
+    step = max(1, (1 << 24) // h)  # rows, then columns, of C per product: temporaries of ~64 MiB
+    for r in range(0, n - h, step):
+        C[r:r + step] = _trmm(C[r:r + step], L[:h, :h], right=True)
+    for c in range(0, h, step):
+        C[:, c:c + step] = _trmm(L[h:, h:], C[:, c:c + step], right=False)
     C.neg_()
 
 
@@ -420,21 +424,30 @@ class _Judge:
     copied whole): the float32 blocks of the triangle are kept for K <= FLOAT64_MAX_K, else formed
     per use."""
 
-    def __init__(self, w: np.ndarray, hessian: np.ndarray, dev):
+    def __init__(self, w: np.ndarray, hessian: np.ndarray, dev, shared: "_Judge | None" = None):
         import torch
 
-        self.w = w
         self.dev = dev
         self.hessian = hessian
+        K = hessian.shape[0]
+        if shared is None:
+            # column blocks of the triangle: 16 for a kept one, <= 1024 columns when formed per use
+            nb = max(1, min(16, K // 224)) if K <= FLOAT64_MAX_K else -(-K // 1024)
+            edges = [round(i * K / nb) for i in range(nb + 1)]
+            self.blocks = list(zip(edges[:-1], edges[1:]))
+            self._kept = [self._triangle_block(a, b) for a, b in self.blocks] if K <= FLOAT64_MAX_K else None
+            self._screen = None
+        else:
+            self.blocks, self._kept, self._screen = shared.blocks, shared._kept, shared._screen
+        self.w = w
         self.W32 = torch.from_numpy(w).to(dev)
-        K = w.shape[1]
-        nb = max(1, min(16, K // 224))
-        edges = [round(i * K / nb) for i in range(nb + 1)]
-        self.blocks = list(zip(edges[:-1], edges[1:]))
-        self._kept = [self._triangle_block(a, b) for a, b in self.blocks] if K <= FLOAT64_MAX_K else None
         diag = np.clip(np.diagonal(hessian), 0, None).astype(np.float32)
         self.floor = 1e-9 * ((w * w) @ diag).astype(np.float64)
         self.refined = 0  # rows re-judged in float64 (diagnostic)
+
+    def for_rows(self, w: np.ndarray) -> "_Judge":
+        """A judge of the rows ``w`` of the same H, sharing this one's triangle blocks."""
+        return _Judge(w, self.hessian, self.dev, shared=self)
 
     def _triangle_block(self, a: int, b: int):
         """T[:b, a:b] as float32: T the upper triangle of (H + H^T) / 2 with its diagonal halved, so that
@@ -511,6 +524,8 @@ class _Judge:
         diag(r), G the first m columns of H's pivoted Cholesky (largest remaining diagonal first) and r
         the remaining diagonal: the estimate |d G|^2 + sum_k d_k^2 r_k is exact on the m pivots' span and
         counts the rest by its diagonal (O(N K m) per candidate)."""
+        if self._screen is not None and self._screen[0] == rank:
+            return self._screen[1]
         H = self.hessian
         K = H.shape[0]
         m = min(rank, K)
@@ -524,7 +539,8 @@ class _Judge:
             g = (0.5 * (H[:, p].astype(np.float64) + H[p, :].astype(np.float64)) - G[:, :j] @ G[p, :j]) / np.sqrt(r[p])
             G[:, j] = g
             r = np.maximum(r - g * g, 0.0)
-        return G.astype(np.float32), r.astype(np.float32)
+        self._screen = (rank, (G.astype(np.float32), r.astype(np.float32)))
+        return self._screen[1]
 
 
 _LAST_FACTOR: list = []  # [(copy of H, damp, act_order, device, Factor)]: the last factor, for Linears sharing one H
@@ -571,7 +587,35 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     N, K = w.shape
     dev = _device(cfg.device)
     factor = _factor(hessian, K, cfg, dev)
-    judge = _Judge(w, np.asarray(hessian), dev)
+    judge = _Judge(w[:0], np.asarray(hessian), dev)
+    step = _rows_per_chunk(N, K)
+    if step >= N:
+        codes, grid = _quantize_rows(codec, w, matmul, factor, judge.for_rows(w), cfg)
+        return codec.encode(codes, grid, matmul)
+    # rows are independent problems given the factor: in chunks, bounding the [rows, K] working arrays
+    codes = np.empty((N, K), dtype=np.int16)
+    grids = []
+    for r1 in range(0, N, step):
+        rows = w[r1:r1 + step]
+        codes[r1:r1 + len(rows)], g = _quantize_rows(codec, rows, matmul, factor, judge.for_rows(rows), cfg)
+        grids.append(g)
+    scale_bytes = None if grids[0].scale_bytes is None else np.concatenate([g.scale_bytes for g in grids])
+    grid = Grid(np.concatenate([g.scale for g in grids]), grids[0].group, grids[0].kind, grids[0].qmin,
+                grids[0].qmax, scale_bytes)
+    return codec.encode(codes, grid, matmul)
+
+
+#: elements of the weight per chunk of rows (``_rows_per_chunk``): a routed expert's matrix is one chunk
+ROW_CHUNK_ELEMS = 1 << 26
+
+
+def _rows_per_chunk(N: int, K: int) -> int:
+    """Rows quantized together: ROW_CHUNK_ELEMS / K, even (int4 packs row pairs), at least 2."""
+    return max(2, (ROW_CHUNK_ELEMS // K) & ~1)
+
+
+def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: _Judge, cfg: GPTQConfig):
+    """(codes [n, K], grid) of rows ``w`` [n, K]: the candidates, GPTQ on each, the per-row choice."""
     free = codec.data_free_codes(w, matmul)
     grids = list(codec.gptq_grids(w, matmul, free))
     if cfg.mx_exponents != "sse":
@@ -599,7 +643,7 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
         err = next((e for g, c, e in known if np.array_equal(g.scale, grid.scale) and np.array_equal(c, codes)), None)
         cands.append((grid, codes, judge.fast(values_of(codes, grid)) if err is None else err))
     if len(cands) == 1:
-        return codec.encode(cands[0][1], cands[0][0], matmul)
+        return cands[0][1], cands[0][0]
     best, _ = judge.choose([e for _, _, e in cands],
                            [lambda rows, g=g, c=c: values_of(c[rows], _rows(g, rows)) for g, c, _ in cands])
     codes = cands[0][1]
@@ -607,7 +651,19 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
         take = best == i
         if take.any():
             codes = np.where(take[:, None], cands[i][1], codes)
-    return codec.encode(codes, _pick_rows(best, [g for g, _, _ in cands]), matmul)
+    return codes, _pick_rows(best, [g for g, _, _ in cands])
+
+
+def working_set_bytes(N: int, K: int) -> int:
+    """Bytes ``gptq_quantize`` of an [N, K] weight allocates beyond the weight and the Hessian it is
+    given, at its peak: the K x K working matrix (float64 up to FLOAT64_MAX_K, where the Cholesky's
+    output and its float32 copy coexist: 20 B per entry; float32 and in place above: 4 B), the kept
+    triangle blocks of the judge (~2.2 x 4 B per entry up to FLOAT64_MAX_K), and per chunk of rows
+    ~28 B per weight entry (the transposed copy, codes, candidates' values and differences; measured
+    peak on a [3072, 3584] ...), plus the codes of the whole matrix (2 B) and its encoded output (~1 B)."""
+    rows = min(N, _rows_per_chunk(N, K))
+    square = K * K * (20 + 9) if K <= FLOAT64_MAX_K else K * K * 4 + 3 * 8 * K * max(1, (1 << 24) // K)
+    return int(square + 28 * rows * K + 3 * N * K + (64 << 20))
 
 
 def gptq_quantize_bf16(codec, w_u16: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQConfig | None = None,
@@ -660,8 +716,8 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, fin
     With more clipped ratios than ``finalists``, every ratio is first scored on a cheap estimate
     (``_Judge.screen``); per row the best-scored clipped ratio is judged beside the unclipped scale,
     and the next ones (up to ``finalists``) only on the rows where their score comes within the
-    screen's own inaccuracy of the best (measured on the unclipped candidate, judged anyway: twice its
-    largest relative error): about one float32 [N, K] x [K, K] product per finalist kept instead of
+    screen's own inaccuracy of the best (measured per row on the unclipped candidate, judged anyway:
+    four times its relative error, plus 2%): about one float32 [N, K] x [K, K] product per finalist kept instead of
     one per ratio.  Appends (g, its plain codes, their error) to ``known`` (the guard's data-free
     codes, often the same)."""
     clipped = [_scaled(g, r) for r in ratios]
@@ -688,8 +744,9 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, fin
             return (p * p).sum(axis=1, dtype=np.float64) + d @ r
 
         scores = np.stack([score(values_of(plain(gr), gr)) for gr in clipped])
-        rel = np.abs(score(values0) / np.maximum(err0, judge.floor + 1e-300) - 1)
-        slack = min(1.0, 2.0 * float(rel.max()))
+        # per row (so that rows stay independent problems): the screen's relative miss on the
+        # unclipped candidate, four times, plus 2%
+        slack = np.minimum(1.0, 4.0 * np.abs(score(values0) / np.maximum(err0, judge.floor + 1e-300) - 1) + 0.02)
         order = np.argsort(scores, axis=0, kind="stable")
         best_score = scores[order[0], np.arange(len(w))]
         for f in range(finalists):
