@@ -605,12 +605,13 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     return codec.encode(codes, grid, matmul)
 
 
-#: elements of the weight per chunk of rows (``_rows_per_chunk``): a routed expert's matrix is one chunk
-ROW_CHUNK_ELEMS = 1 << 26
+#: elements of the weight per chunk of rows (``_rows_per_chunk``)
+ROW_CHUNK_ELEMS = 1 << 25
 
 
 def _rows_per_chunk(N: int, K: int) -> int:
-    """Rows quantized together: ROW_CHUNK_ELEMS / K, even (int4 packs row pairs), at least 2."""
+    """Rows quantized together: ROW_CHUNK_ELEMS / K (a routed expert's [3072, 3584] is one chunk), even
+    (int4 packs row pairs), at least 2."""
     return max(2, (ROW_CHUNK_ELEMS // K) & ~1)
 
 
@@ -656,11 +657,11 @@ def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: _Judge, 
 
 def working_set_bytes(N: int, K: int) -> int:
     """Bytes ``gptq_quantize`` of an [N, K] weight allocates beyond the weight and the Hessian it is
-    given, at its peak: the K x K working matrix (float64 up to FLOAT64_MAX_K, where the Cholesky's
-    output and its float32 copy coexist: 20 B per entry; float32 and in place above: 4 B), the kept
-    triangle blocks of the judge (~2.2 x 4 B per entry up to FLOAT64_MAX_K), and per chunk of rows
-    ~28 B per weight entry (the transposed copy, codes, candidates' values and differences; measured
-    peak on a [3072, 3584] ...), plus the codes of the whole matrix (2 B) and its encoded output (~1 B)."""
+    given, at its peak (an upper bound): the K x K working matrix (float64 up to FLOAT64_MAX_K, where
+    the Cholesky's output and its float32 copy coexist, with the judge's float32 triangle blocks and the
+    kept copy of H: 29 B per entry; above it float32, in place, plus its preparation's row blocks),
+    ~28 B per weight entry of one chunk of rows (the transposed copy, codes, candidates' values and
+    differences), and the whole matrix's codes and encoded output (3 B per entry)."""
     rows = min(N, _rows_per_chunk(N, K))
     square = K * K * (20 + 9) if K <= FLOAT64_MAX_K else K * K * 4 + 3 * 8 * K * max(1, (1 << 24) // K)
     return int(square + 28 * rows * K + 3 * N * K + (64 << 20))
