@@ -430,3 +430,18 @@ def test_row_chunks_give_the_same_bytes(monkeypatch, name, matmul):
     got = gptq_quantize(codec, w, matmul, H)
     for k in want:
         assert np.array_equal(got[k].view(np.uint8), want[k].view(np.uint8)), k
+
+
+@pytest.mark.parametrize("name", ["W4A8_MXFP", "W8A8_MXFP8", "W4A8_DYNAMIC", "W8A8_DYNAMIC"])
+def test_fast_data_free_codes_are_the_reference_rule(name):
+    """The guard's data-free codes by the fast kernel (bf16 input) are the numpy rule's, grid and codes;
+    input that is not bf16 takes the numpy rule."""
+    codec = get_codec(name)
+    for w in (_weight(36), _weight(37) + np.float32(1e-5)):
+        g1, c1 = codec.fast_data_free_codes(w, "down")
+        g2, c2 = codec.data_free_codes(w, "down")
+        np.testing.assert_array_equal(c1, c2)
+        np.testing.assert_array_equal(g1.scale, g2.scale)
+        assert (g1.scale_bytes is None) == (g2.scale_bytes is None)
+        if g1.scale_bytes is not None:
+            np.testing.assert_array_equal(g1.scale_bytes, g2.scale_bytes)

@@ -119,6 +119,11 @@ class Codec:
         """The data-free rule as (Grid, codes [N, K]) (w float32, already checked)."""
         raise NotImplementedError
 
+    def fast_data_free_codes(self, w: np.ndarray, matmul: str | None):
+        """``data_free_codes``, the same codes and grid, by the fast kernel where it has one and ``w``
+        holds bfloat16 values (the calibrated path's guard; the reference stays the numpy rule)."""
+        return self.data_free_codes(w, matmul)
+
     def gptq_grids(self, w: np.ndarray, matmul: str | None, data_free: tuple) -> list:
         """Candidate grids for the calibrated path; ``data_free`` is ``data_free_codes(w, matmul)``
         (default: its grid, the data-free rule's scales)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..dtypes import bf16_to_f32, f32_to_bf16
 from . import numerics as nm
 from .base import Codec, Grid, Spec, bf16_bits, load_kernels, raise_nonfinite_bf16, register
 from .numerics import BLOCK
@@ -23,11 +24,24 @@ class _MX(Codec):
     def _values(weight: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    @staticmethod
+    def _codes(weight: np.ndarray) -> np.ndarray:
+        """The sign-magnitude codes [N, K] in ``weight`` as written (the inverse of ``_pack``)."""
+        return weight
+
     kernel: str  # name of the numba kernel in ``kernels``: (w, weight_out, scale_out) -> bad row or -1
 
     def data_free_codes(self, w, matmul):
         code, scale = nm.mx_quantize(w, self.elem)
         return Grid(nm.e8m0_to_f32(scale), BLOCK, self.elem, scale_bytes=scale), code
+
+    def fast_data_free_codes(self, w, matmul):
+        bits = f32_to_bf16(w)
+        if not np.array_equal(bf16_to_f32(bits), w):
+            return self.data_free_codes(w, matmul)
+        res = self._quantize_bf16_fast(bits, matmul, None)
+        scale = res["weight_scale"]
+        return Grid(nm.e8m0_to_f32(scale), BLOCK, self.elem, scale_bytes=scale), self._codes(res["weight"])
 
     def encode(self, codes, grid, matmul):
         return {"weight": self._pack(codes.astype(np.uint8)), "weight_scale": np.ascontiguousarray(grid.scale_bytes)}
@@ -71,6 +85,7 @@ class W4A8MXFP(_MX):
 
     elem = "e2m1"
     _pack = staticmethod(nm.pack_nibbles_along_k)
+    _codes = staticmethod(nm.unpack_nibbles_along_k)
     kernel = "mxfp4_kernel"
 
     @staticmethod
