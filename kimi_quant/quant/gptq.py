@@ -715,8 +715,9 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, fin
     smallest input-weighted error on H (ties keep the earlier, the unclipped first).
 
     With more clipped ratios than ``finalists``, every ratio is first scored on a cheap estimate
-    (``_Judge.screen``); per row the best-scored clipped ratio is judged beside the unclipped scale,
-    and the next ones (up to ``finalists``) only on the rows where their score comes within the
+    (``_Judge.screen``); per row the best-scored clipped ratio is judged beside the unclipped scale
+    (or taken without a product where the screen puts it ahead by more than its inaccuracy and no
+    other ratio comes close), and the next ones (up to ``finalists``) only on the rows where their score comes within the
     screen's own inaccuracy of the best (measured per row on the unclipped candidate, judged anyway:
     four times its relative error, plus 2%): about one float32 [N, K] x [K, K] product per finalist kept instead of
     one per ratio.  Appends (g, its plain codes, their error) to ``known`` (the guard's data-free
@@ -732,35 +733,46 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, fin
     err0 = judge.fast(values0)
     known.append((g, codes0.astype(np.int8), err0))
     grids, errs = [g], [err0]
+    settled = np.zeros(len(w), dtype=bool)  # rows whose ratio the screen decides alone
     if len(clipped) <= finalists:
         grids += clipped
         errs += [judge.fast(values_of(plain(gr), gr)) for gr in clipped]
     else:
         G, r = judge.screen(SCREEN_RANK)
 
-        def score(values):
-            d = w - values
-            p = d @ G
-            d *= d
-            return (p * p).sum(axis=1, dtype=np.float64) + d @ r
+        from .gptq_kernels import plain_errors
 
-        scores = np.stack([score(values_of(plain(gr), gr)) for gr in clipped])
+        d = np.empty_like(w)
+
+        def score(grid):  # |d G|^2 + sum_k d_k^2 r_k of the plain rounding on ``grid``
+            diag = plain_errors(w, np.ascontiguousarray(grid.scale[:, 0]), np.float32(grid.qmin),
+                                np.float32(grid.qmax), r, d)
+            p = d @ G
+            return (p * p).sum(axis=1, dtype=np.float64) + diag
+
+        scores = np.stack([score(gr) for gr in clipped])
         # per row (so that rows stay independent problems): the screen's relative miss on the
         # unclipped candidate, four times, plus 2%
-        slack = np.minimum(1.0, 4.0 * np.abs(score(values0) / np.maximum(err0, judge.floor + 1e-300) - 1) + 0.02)
+        unclipped = score(g)
+        slack = np.minimum(1.0, 4.0 * np.abs(unclipped / np.maximum(err0, judge.floor + 1e-300) - 1) + 0.02)
         order = np.argsort(scores, axis=0, kind="stable")
-        best_score = scores[order[0], np.arange(len(w))]
+        n = np.arange(len(w))
+        best_score = scores[order[0], n]
+        close = [scores[order[f], n] <= best_score * (1 + slack) for f in range(1, finalists)]
+        # rows where the screen puts the best clipped ratio clearly ahead of the unclipped one, with no
+        # other ratio close: that ratio, without a product
+        settled = (best_score < unclipped * (1 - slack)) & ~np.any(close, axis=0)
         for f in range(finalists):
-            grid = _pick_rows(order[f], clipped)
-            rows = None if f == 0 else np.flatnonzero(scores[order[f], np.arange(len(w))] <= best_score * (1 + slack))
-            if rows is not None and rows.size == 0:
+            rows = np.flatnonzero(~settled if f == 0 else close[f - 1])
+            if f and rows.size == 0:
                 break
+            grid = _pick_rows(order[f], clipped)
             e = np.full(len(w), np.inf)
-            values = values_of(plain(grid), grid)
-            e[slice(None) if rows is None else rows] = judge.fast(values, rows)
+            e[rows] = judge.fast(values_of(plain(grid), grid), rows)
             grids.append(grid)
             errs.append(e)
     best, _ = judge.choose(errs, [lambda rows, gr=gr: values_of(plain(gr, rows), _rows(gr, rows)) for gr in grids])
+    best[settled] = 1
     return _pick_rows(best, grids)
 
 

@@ -136,26 +136,63 @@ def permute_symmetric(H, order, out):
 
 @njit(cache=True)
 def gather_transposed(w, order, out):
-    """out[k, n] = w[n, order[k]] (a transpose with the columns permuted), in 64 x 64 tiles."""
+    """out[k, n] = w[n, order[k]] (a transpose with the columns permuted): each row is permuted in
+    cache, then 64 x 64 tiles are transposed."""
     N, K = w.shape
     t = 64
-    for k0 in range(0, K, t):
-        for n0 in range(0, N, t):
+    tmp = np.empty((t, K), dtype=w.dtype)
+    for n0 in range(0, N, t):
+        n1 = min(n0 + t, N)
+        for n in range(n0, n1):
+            row = w[n]
+            dst = tmp[n - n0]
+            for k in range(K):
+                dst[k] = row[order[k]]
+        for k0 in range(0, K, t):
             for k in range(k0, min(k0 + t, K)):
-                c = order[k]
-                row = out[k]
-                for n in range(n0, min(n0 + t, N)):
-                    row[n] = w[n, c]
+                o = out[k]
+                for n in range(n0, n1):
+                    o[n] = tmp[n - n0, k]
 
 
 @njit(cache=True)
 def scatter_transposed(CT, order, out):
-    """out[n, order[k]] = CT[k, n]: the inverse of ``gather_transposed``, in 64 x 64 tiles."""
+    """out[n, order[k]] = CT[k, n]: the inverse of ``gather_transposed`` (tiles transposed, then each
+    row scattered in cache)."""
     K, N = CT.shape
     t = 64
+    tmp = np.empty((t, K), dtype=CT.dtype)
     for n0 in range(0, N, t):
+        n1 = min(n0 + t, N)
         for k0 in range(0, K, t):
-            for n in range(n0, min(n0 + t, N)):
-                row = out[n]
-                for k in range(k0, min(k0 + t, K)):
-                    row[order[k]] = CT[k, n]
+            for k in range(k0, min(k0 + t, K)):
+                c = CT[k]
+                for n in range(n0, n1):
+                    tmp[n - n0, k] = c[n]
+        for n in range(n0, n1):
+            src = tmp[n - n0]
+            row = out[n]
+            for k in range(K):
+                row[order[k]] = src[k]
+
+
+@njit(cache=True)
+def plain_errors(w, scale, qmin, qmax, r, d_out):
+    """Plain rounding of rows ``w`` [N, K] on per-row scales ``scale`` [N]: d_out = w - clip(rint(w / s),
+    qmin, qmax) s (float32, as ``gptq.values_of`` of those codes), and per row sum_k d_k^2 r_k in
+    float64 (r float32 [K]) -> [N]."""
+    N, K = w.shape
+    out = np.zeros(N)
+    for n in range(N):
+        s = scale[n]
+        row = w[n]
+        d = d_out[n]
+        acc = 0.0
+        for k in range(K):
+            x = row[k]
+            c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
+            e = np.float32(x - np.float32(c * s))
+            d[k] = e
+            acc += np.float64(np.float32(e * e)) * np.float64(r[k])
+        out[n] = acc
+    return out
