@@ -1,34 +1,101 @@
 #!/usr/bin/env python
-"""Cost of the calibrated (GPTQ) path per expert-sized matrix (default [3072, 3584]) on one core.
+"""GPTQ of one routed-expert matrix (default [3072, 3584]) against one same-thread matmul.
 
-Prints, per scheme, the CPU seconds (process time: robust on a shared machine; with one torch
-thread it is the single-core cost) of one ``codec.quantize(w, matmul, hessian=H, gptq=cfg)`` with the
-guard (default config) and without it, next to the data-free fast path (``quantize_bf16``) on the
-same matrix, all in one run.  torch runs on one thread (``torch.set_num_threads(1)``): the converter
-runs one process per core.  H is (1/n) X^T X of n synthetic correlated inputs (the cost does not
-depend on the values).
+Per scheme: the seconds of ``gptq.gptq_quantize`` (default config: clip search, guard), its achieved
+rate in GFLOP/s counted as 2 N K^2 (the lazy-batch update's order of work), the seconds of one
+[N x K] x [K x K] float32 matmul measured right before it on the same thread, and the ratio of the
+two (the target is <= 4).  Everything runs on one thread (``torch.set_num_threads(1)``; the numba
+kernels are serial).  Times are CPU seconds of this process (``time.process_time``: on a shared
+machine they leave out the time other processes held the core); wall seconds are printed beside them.
+The load average before and after is printed: on a busy machine both clocks slow down together, so
+read the ratio.
 
-    python scripts/bench_gptq.py [--n 3072 --k 3584 --schemes W4A8_DYNAMIC,W4A8_MXFP --threads 1]
+``--before REV`` also runs the calibrated path as it was at git revision REV (its gptq.py, and the
+numba block kernel it used) in the same run, and says whether the bytes changed and by how much the
+input-weighted error tr(dW H dW^T) moved (new / before).
+
+H is (1/n) X^T X of n synthetic inputs with a few loud channels (the cost does not depend on the values).
+
+    python scripts/bench_gptq.py [--n 3072 --k 3584 --schemes W4A8_DYNAMIC,W4A8_MXFP --before HEAD~1]
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
-from dataclasses import replace
-from pathlib import Path
+import os
 
-import numpy as np
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
-from kimi_quant.quant import get_codec, warmup  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kimi_quant.quant import get_codec  # noqa: E402
 from kimi_quant.quant import gptq  # noqa: E402
-from kimi_quant.quant.gptq import GPTQConfig  # noqa: E402
 
 ROLES = {"W4A8_DYNAMIC": "down", "W8A8_DYNAMIC": None, "W4A8_MXFP": None, "W8A8_MXFP8": None}
+
+
+def _git_show(rev: str, path: str) -> str:
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def load_before(rev: str):
+    """The calibrated entry point of revision ``rev``: a function (codec, w, matmul, H) -> tensors."""
+    src = _git_show(rev, "kimi_quant/quant/gptq.py")
+    ns = {}
+    if "gptq_int_block" in src:  # its numba kernel lived in kernels.py
+        from numba import njit
+
+        ksrc = _git_show(rev, "kimi_quant/quant/kernels.py")
+        body = re.search(r"@njit\(cache=True\)\ndef gptq_int_block.*?(?=\n\n\n)", ksrc, re.S).group(0)
+        exec(body.replace("@njit(cache=True)\n", ""), {"np": np}, ns)
+        ns["gptq_int_block"] = njit(ns["gptq_int_block"])
+        src = src.replace("from .base import load_kernels\n\n        block = load_kernels().gptq_int_block",
+                          "block = _BEFORE_BLOCK")
+    name = "kimi_quant.quant._gptq_before"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "kimi_quant.quant"
+    mod._BEFORE_BLOCK = ns.get("gptq_int_block")
+    sys.modules[name] = mod
+    exec(compile(src, f"{rev}:gptq.py", "exec"), mod.__dict__)
+
+    class Adapter:  # the codec as that revision called it (gptq_grids(w, matmul))
+        def __init__(self, codec):
+            self.codec = codec
+
+        def gptq_grids(self, w, matmul):
+            return self.codec.gptq_grids(w, matmul, self.codec.data_free_codes(w, matmul))
+
+        def __getattr__(self, attr):
+            return getattr(self.codec, attr)
+
+    def run(codec, w, matmul, H):
+        mod._LAST_FACTOR.clear()
+        return mod.gptq_quantize(Adapter(codec), w, matmul, H, None)
+
+    return run
+
+
+def after(codec, w, matmul, H):
+    gptq._LAST_FACTOR.clear()  # each call pays its own factor (the kept one is for q/k/v sharing one H)
+    return gptq.gptq_quantize(codec, w, matmul, H)
+
+
+def timed(fn):
+    c, t = time.process_time(), time.perf_counter()
+    out = fn()
+    return out, time.process_time() - c, time.perf_counter() - t
 
 
 def main():
@@ -37,36 +104,43 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=3072)
     ap.add_argument("--k", type=int, default=3584)
-    ap.add_argument("--schemes", default="W4A8_DYNAMIC,W4A8_MXFP,W8A8_DYNAMIC,W8A8_MXFP8")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--schemes", default="W4A8_DYNAMIC,W4A8_MXFP")
+    ap.add_argument("--before", metavar="REV", help="also run the calibrated path of this git revision")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
+    N, K = args.n, args.k
     rng = np.random.default_rng(0)
-    w_u16 = f32_to_bf16((0.02 * rng.standard_normal((args.n, args.k))).astype(np.float32))
-    w = bf16_to_f32(w_u16)
-    x = rng.standard_normal((4096, args.k)).astype(np.float32)
-    x[:, rng.integers(0, args.k, 16)] *= 20
+    w = (0.02 * rng.standard_normal((N, K))).astype(np.float32)
+    x = rng.standard_normal((4096, K)).astype(np.float32)
+    x[:, rng.integers(0, K, 16)] *= 20
     H = (x.T.astype(np.float64) @ x) / x.shape[0]
-    warmup()
-    cfg = GPTQConfig(device=args.device)
-    print(f"matrix [{args.n}, {args.k}], torch threads {torch.get_num_threads()}, device {args.device}")
-    print(f"{'scheme':<14}{'data-free s':>12}{'GPTQ s':>10}{'GPTQ no guard s':>17}{'no act-order s':>16}"
-          f"{'no clip search s':>18}")
+    a, b = torch.randn(N, K), torch.randn(K, K)
+    runs = [("after", after)] + ([(f"before {args.before}", load_before(args.before))] if args.before else [])
+    for name in args.schemes.split(","):  # compile / load every kernel first
+        for _, fn in runs:
+            fn(get_codec(name), w[:8, :256].copy(), ROLES[name], H[:256, :256].copy())
+    flops = 2.0 * N * K * K
+    print(f"matrix [{N}, {K}], one thread; load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"{'scheme':<14}{'path':<18}{'GPTQ s':>8}{'wall s':>8}{'GFLOP/s':>9}{'matmul s':>10}{'ratio':>7}")
     for name in args.schemes.split(","):
-        codec = get_codec(name)
-        mm = ROLES[name]
-        t = time.process_time()
-        codec.quantize_bf16(w_u16, mm)
-        t_free = time.process_time() - t
-        times = []
-        for c in (cfg, replace(cfg, guard=False), replace(cfg, guard=False, act_order=False),
-                  replace(cfg, clip_ratios=())):
-            gptq._LAST_FACTOR.clear()  # each call pays its own H^-1 factor (the kept one is for q/k/v sharing one H)
-            t = time.process_time()
-            codec.quantize(w, mm, hessian=H, gptq=c)
-            times.append(time.process_time() - t)
-        print(f"{name:<14}{t_free:>12.2f}{times[0]:>10.2f}{times[1]:>17.2f}{times[2]:>16.2f}{times[3]:>18.2f}", flush=True)
+        codec, mm = get_codec(name), ROLES[name]
+        outs = {}
+        for label, fn in runs:
+            _, t_mm, _ = timed(lambda: a @ b)
+            outs[label], t, wall = timed(lambda: fn(codec, w, mm, H))
+            _, t_mm2, _ = timed(lambda: a @ b)
+            t_mm = min(t_mm, t_mm2)
+            print(f"{name:<14}{label:<18}{t:>8.2f}{wall:>8.2f}{flops / t / 1e9:>9.1f}{t_mm:>10.2f}{t / t_mm:>7.2f}",
+                  flush=True)
+        if args.before:
+            new, old = outs["after"], outs[f"before {args.before}"]
+            same = all(np.array_equal(new[k].view(np.uint8), old[k].view(np.uint8)) for k in new)
+            e_new = gptq.weighted_error(w, codec.dequantize(new), H).sum()
+            e_old = gptq.weighted_error(w, codec.dequantize(old), H).sum()
+            rows = np.mean([np.array_equal(p, q) for p, q in zip(codec.dequantize(new), codec.dequantize(old))])
+            print(f"{'':<14}bytes {'unchanged' if same else 'changed'}; rows with the same values {rows:.1%}; "
+                  f"tr(dW H dW^T) new / before {e_new / e_old:.6f}", flush=True)
+    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 
 if __name__ == "__main__":

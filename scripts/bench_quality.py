@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
 from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from kimi_quant.quant import get_codec  # noqa: E402
 from kimi_quant.quant import numerics as nm  # noqa: E402
-from kimi_quant.quant.gptq import GPTQConfig  # noqa: E402
+from kimi_quant.quant.gptq import GPTQConfig, gptq_quantize_bf16  # noqa: E402
 from kimi_quant.validate.calibration import load_texts  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -170,8 +170,8 @@ def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq:
     from safetensors.numpy import load, save
 
     codec = get_codec(scheme.codec, group)
-    if scheme.calibrated:
-        out = codec.quantize_bf16(w_u16, role, hessian=hessian, gptq=gptq)
+    if scheme.calibrated and hessian is not None:
+        out = gptq_quantize_bf16(codec, w_u16, role, hessian, gptq)
     else:
         out = codec.quantize_bf16(w_u16, role)
     back = load(save(out))  # the bytes as written, read back

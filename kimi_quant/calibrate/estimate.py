@@ -8,10 +8,12 @@ Time = forward + Hessians + GPTQ, in core-seconds, divided by the cores:
   measured here on one core;
 * Hessians: 2 K^2 FLOPs per token per Linear input (q/k/v and w1/w3 share theirs; a routed expert
   only from its own tokens: k/E of them), at the fp64 rate measured here;
-* GPTQ: measured here per scheme on a [64, 256] and a [512, 1024] matrix, fitted to
+* GPTQ: measured here per scheme on a [256, 512] and a [1024, 2048] matrix, fitted to
   a K + b (N K^2 + K^3) (per-column steps; the update and Cholesky arithmetic) and summed over the plan.
 
-Memory is the formula in :mod:`kimi_quant.calibrate.run`, evaluated for this model.
+Memory is the formula in :mod:`kimi_quant.calibrate.run`, evaluated for this model, per worker (the
+calibrated run is one process: its driver state and, at its peak, the GPTQ of the plan's largest
+matrix with that matrix's Hessian as handed over).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..recipe.recipe import FLOAT
 from .config import CalibConfig
 from .layered import EXPERTS, GLOBAL, layer_of, stage_of
 
-PROBE = (512, 1024)
+PROBE = (1024, 2048)
 
 
 def _rate(dtype, n: int = 512) -> float:
@@ -52,6 +54,7 @@ def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
     import torch
 
     from ..quant import get_codec
+    from ..quant.gptq import gptq_quantize
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
@@ -61,7 +64,7 @@ def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
     torch.set_num_threads(1)
     try:
         t = time.perf_counter()
-        get_codec(scheme).quantize(w, matmul, hessian=h)
+        gptq_quantize(get_codec(scheme), w, matmul, h)
         return time.perf_counter() - t
     finally:
         torch.set_num_threads(threads)
@@ -70,7 +73,8 @@ def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
 def gptq_model(scheme: str, matmul: str | None) -> tuple[float, float]:
     """(a, b) of t(N, K) = a K + b (N K^2 + K^3) seconds on one core, fitted to two measured sizes:
     GPTQ walks the K columns one at a time (a fixed cost each) and does O(N K^2 + K^3) arithmetic."""
-    sizes = [(64, 256), PROBE]
+    sizes = [(256, 512), PROBE]
+    _gptq_seconds(scheme, matmul, 8, 64)  # loads the kernels: not part of either probe
     ts = [_gptq_seconds(scheme, matmul, n, k) for n, k in sizes]
     A = np.array([[k, n * k * k + k ** 3] for n, k in sizes], dtype=np.float64)
     a, b = np.linalg.solve(A, np.array(ts))
@@ -92,6 +96,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
     per_layer_nonexpert = defaultdict(int)
     expert_bytes = 0
     seen_inputs = set()
+    gptq_peak, gptq_peak_name = 0, None
     for tp in plan.tensors():
         if len(tp.shape) != 2:
             continue
@@ -116,6 +121,9 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
                 flops_h += 2 * K * K * share
             gptq_cost[tp.scheme] += np.array([K, N * K * K + K ** 3], dtype=np.float64)
             probe.setdefault(tp.scheme, tp.matmul)
+            job = gptq_job_bytes(N, K)
+            if job > gptq_peak:
+                gptq_peak, gptq_peak_name = job, tp.name
     fp32, fp64 = _rate(__import__("torch").float32), _rate(__import__("torch").float64)
     gptq_s = 0.0
     per_expert = {}
@@ -131,11 +139,24 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
             "forward_core_h": fwd_s / 3600, "hessian_core_h": hess_s / 3600, "gptq_core_h": gptq_s / 3600,
             "fp32_gflops": fp32 / 1e9, "fp64_gflops": fp64 / 1e9,
             "gptq_s_per_expert_matrix": per_expert,
-            "memory_bytes": memory_bytes(spec, cfg, max(per_layer_nonexpert.values(), default=0), expert_bytes)}
+            "memory_bytes": memory_bytes(spec, cfg, max(per_layer_nonexpert.values(), default=0), expert_bytes,
+                                         gptq_peak),
+            "gptq_memory_bytes": gptq_peak, "gptq_memory_tensor": gptq_peak_name}
 
 
-def memory_bytes(spec, cfg: CalibConfig, layer_nonexpert_f32: int, expert_f32: int) -> int:
-    """The resident-memory formula of :mod:`kimi_quant.calibrate.run` for this model."""
+def gptq_job_bytes(N: int, K: int) -> int:
+    """Memory of quantizing one [N, K] Linear with GPTQ: its weight (float32), its Hessian as the
+    collector hands it over (float64, a new array beside the collector's own sum) and GPTQ's working
+    set (``gptq.working_set_bytes``: one K x K float32 matrix above K 8192, row chunks, codes)."""
+    from ..quant.gptq import working_set_bytes
+
+    return 4 * N * K + 8 * K * K + working_set_bytes(N, K)
+
+
+def memory_bytes(spec, cfg: CalibConfig, layer_nonexpert_f32: int, expert_f32: int, gptq_job: int) -> int:
+    """The resident-memory formula of :mod:`kimi_quant.calibrate.run` for this model (one worker):
+    the driver's state, the Hessian sums being collected, and the largest GPTQ job (``gptq_job``,
+    ``gptq_job_bytes`` of the plan's largest quantized matrix)."""
     t = spec.text
     T, H = cfg.tokens, t.hidden_size
     R, I, k = t.latent_size, t.moe_intermediate_size, t.num_experts_per_token
@@ -145,7 +166,10 @@ def memory_bytes(spec, cfg: CalibConfig, layer_nonexpert_f32: int, expert_f32: i
     windows = max(1, T // cfg.seq_len)
     heads = max(t.num_attention_heads, t.kda_num_heads)
     attention = windows * heads * cfg.seq_len ** 2 * 4 * 2
-    hessians = max(3 * H * H, cfg.expert_batch * (R * R + I * I) + 2 * H * H + (I * t.num_shared_experts) ** 2) * 8
-    big_k = max(H, I * max(1, t.num_shared_experts), t.intermediate_size)
-    gptq = 3 * max(H, t.intermediate_size) * big_k * 4 + 3 * big_k * big_k * 8
-    return int(layer_nonexpert_f32 + 2 * expert_f32 + states + routed + attention + hessians + gptq + 300e6)
+    # float64 sums held while a stage is quantized: the attention side (~3 H^2), a dense MLP (gate/up
+    # share one: H^2, its down projection: intermediate^2), or a MoE layer's non-routed Linears + a
+    # batch of experts
+    dense = H * H + (t.intermediate_size or 0) ** 2
+    moe = cfg.expert_batch * (R * R + I * I) + 2 * H * H + (I * t.num_shared_experts) ** 2
+    hessians = max(3 * H * H, dense, moe) * 8
+    return int(layer_nonexpert_f32 + 2 * expert_f32 + states + routed + attention + hessians + gptq_job + 300e6)

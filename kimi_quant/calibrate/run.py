@@ -26,7 +26,6 @@ byte-identical: every step is deterministic on the same machine and thread count
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -43,7 +42,7 @@ from ..errors import KimiQuantError
 from ..layout.ascend_v1 import CALIB_STATE, PROVENANCE
 from ..model.spec import load_model_spec_from_source
 from ..plan import Plan, TensorPlan, UnitPlan
-from ..quant import get_codec
+from ..quant.gptq import gptq_quantize
 from ..recipe.recipe import FLOAT
 from ..source.safetensors import SafetensorsReader
 from ..validate import forward as fw
@@ -113,13 +112,6 @@ def calibrated_plan(source, plan: Plan, cfg: CalibConfig, quiet: bool = True) ->
 
 
 # -- GPTQ through the codec --------------------------------------------------------------------------
-def _takes_hessian(codec) -> bool:
-    try:
-        return "hessian" in inspect.signature(codec.quantize).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def gptq_config(cfg: CalibConfig):
     """The codecs' GPTQConfig with the user's settings (None where the codecs have no GPTQ)."""
     try:
@@ -154,19 +146,14 @@ class _Quantizer:
         """``quantize`` for ``write_tensor``: None = the data-free rule (bytes as an uncalibrated run)."""
         if t.scheme == FLOAT:
             return None
-        codec = get_codec(t.scheme)
         if hessian is None:
-            self.stats["data_free_tensors"] += 1
-            return None
-        if not _takes_hessian(codec):
-            self.stats["no_gptq_codecs"] += 1
             self.stats["data_free_tensors"] += 1
             return None
         self.stats["gptq_tensors"] += 1
         gptq = self.gptq
 
         def quantize(codec, w, matmul):
-            return codec.quantize(w, matmul, hessian=hessian, gptq=gptq)
+            return gptq_quantize(codec, w, matmul, hessian, gptq)
 
         return quantize
 

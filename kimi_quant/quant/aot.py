@@ -340,7 +340,7 @@ class CompiledKernels:
     def warmup(self, writable: bool = True) -> None:
         """Nothing to compile: the module is loaded."""
 
-    def __getattr__(self, name: str):  # gptq_int_block and the rest: numba's JIT kernels
+    def __getattr__(self, name: str):  # the rest: numba's JIT kernels
         return getattr(_jit(), name)
 
 

@@ -4,13 +4,13 @@ A codec knows three things about scheme X applied to a Linear weight ``[N, K]`` 
   * ``out_specs(shape, matmul)``: the ascendV1 tensors it writes, ``{suffix: (dtype, shape)}``,
     so a plan can size every output without reading any data;
   * ``quantize(w, matmul)``: float32 ``[N, K]`` -> ``{suffix: ndarray}`` (the plain numpy reference
-    of the data-free rule); ``quantize(w, matmul, hessian=H, gptq=GPTQConfig())`` is the calibrated
-    path (GPTQ error feedback on the same grid, same bytes format; see ``gptq``);
+    of the data-free rule); the calibrated path (GPTQ error feedback on the same grid, same bytes
+    format) is ``gptq.gptq_quantize(codec, w, matmul, hessian, cfg)``: gptq uses codecs, never the reverse;
   * ``dequantize(tensors)``: the inverse, public so validation can read back output bytes.
 ``quantize_bf16(w_u16, matmul)`` is the fast path from raw bfloat16 bits; it must be
 bit-identical to ``quantize(bf16_to_f32(w_u16), matmul)``.
 
-A subclass supplies ``data_free_codes`` (the reference rule as codes on a ``gptq.Grid``), ``encode``
+A subclass supplies ``data_free_codes`` (the reference rule as codes on a ``Grid``), ``encode``
 (codes -> on-disk tensors), ``gptq_grids`` (the grids the calibrated path may use) and the numba
 fast path ``_quantize_bf16_fast``.
 
@@ -20,12 +20,14 @@ by the model spec; only W4A8_DYNAMIC uses it (``scale_bias`` shape).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from ..dtypes import bf16_to_f32
 from ..errors import RecipeError
+from .numerics import NonFiniteWeight
 
 
 _kernels = None
@@ -47,6 +49,37 @@ def load_kernels():
     return _kernels
 
 Spec = dict[str, tuple[str, tuple[int, ...]]]
+
+
+@dataclass
+class Grid:
+    """The fixed quantization grid of one matrix [N, K]: what a codec's codes are rounded on.
+
+    scale: float32 [N, K // group] (int schemes: group = K, one scale per row; MX: group = 32, the
+           E8M0 block scale 2^e as float32).
+    kind:  "int" (codes clip(rint(w / s), qmin, qmax)), "e2m1" or "e4m3" (sign-magnitude MX codes).
+    """
+
+    scale: np.ndarray
+    group: int
+    kind: str
+    qmin: int = 0
+    qmax: int = 0
+    scale_bytes: np.ndarray | None = None  # MX: the E8M0 bytes written for ``scale``
+
+
+def bf16_bits(w_u16: np.ndarray) -> np.ndarray:
+    """``w_u16`` as the C-contiguous 2-D uint16 array the fast kernels take (TypeError otherwise)."""
+    w = np.ascontiguousarray(w_u16)
+    if w.dtype != np.uint16 or w.ndim != 2:
+        raise TypeError(f"quantize_bf16 needs a 2-D uint16 array of bf16 bits, got {w.dtype} {list(w.shape)}")
+    return w
+
+
+def raise_nonfinite_bf16(w_u16: np.ndarray, row: int) -> None:
+    """Raise NonFiniteWeight for the first NaN/Inf of bf16 row ``row`` (a kernel reported that row)."""
+    col = int(np.argmax((w_u16[row] & 0x7F80) == 0x7F80))
+    raise NonFiniteWeight(row, col)
 
 
 class Codec:
@@ -81,34 +114,27 @@ class Codec:
     def out_specs(self, shape: tuple[int, ...], matmul: str | None) -> Spec:
         raise NotImplementedError
 
-    def quantize(
-        self, w: np.ndarray, matmul: str | None = None, hessian: np.ndarray | None = None, gptq=None
-    ) -> dict[str, np.ndarray]:
-        """float32 ``w`` [N, K] -> the on-disk tensors ``{suffix: ndarray}``.
-
-        hessian: None for the data-free rule (the plain numpy reference the kernels match), or the
-            statistic of this Linear's inputs, ``(1/n) sum_t x_t x_t^T`` [K, K] (float64 or float32)
-            over the n calibration tokens reaching it: then GPTQ-class error feedback on the same
-            grid (``gptq.gptq_quantize``), written in the same format.
-        gptq: a ``gptq.GPTQConfig`` (None: its defaults); ignored without a hessian, so callers may
-            pass one config for every tensor and None hessians where calibration did not reach.
-        """
+    def quantize(self, w: np.ndarray, matmul: str | None = None) -> dict[str, np.ndarray]:
+        """float32 ``w`` [N, K] -> the on-disk tensors ``{suffix: ndarray}`` by the data-free rule
+        (the plain numpy reference the kernels match)."""
         w = np.ascontiguousarray(w, dtype=np.float32)
         self.require(w.shape, matmul)
-        if hessian is not None:
-            from .gptq import gptq_quantize
-
-            return gptq_quantize(self, w, matmul, hessian, gptq)
         grid, codes = self.data_free_codes(w, matmul)
         return self.encode(codes, grid, matmul)
 
     def data_free_codes(self, w: np.ndarray, matmul: str | None):
-        """The data-free rule as (gptq.Grid, codes [N, K]) (w float32, already checked)."""
+        """The data-free rule as (Grid, codes [N, K]) (w float32, already checked)."""
         raise NotImplementedError
 
-    def gptq_grids(self, w: np.ndarray, matmul: str | None):
-        """Candidate grids for the calibrated path (default: the data-free rule's scales)."""
-        return [self.data_free_codes(w, matmul)[0]]
+    def fast_data_free_codes(self, w: np.ndarray, matmul: str | None):
+        """``data_free_codes``, the same codes and grid, by the fast kernel where it has one and ``w``
+        holds bfloat16 values (the calibrated path's guard; the reference stays the numpy rule)."""
+        return self.data_free_codes(w, matmul)
+
+    def gptq_grids(self, w: np.ndarray, matmul: str | None, data_free: tuple) -> list:
+        """Candidate grids for the calibrated path; ``data_free`` is ``data_free_codes(w, matmul)``
+        (default: its grid, the data-free rule's scales)."""
+        return [data_free[0]]
 
     def encode(self, codes: np.ndarray, grid, matmul: str | None) -> dict[str, np.ndarray]:
         """Codes on ``grid`` -> the on-disk tensors (the format of ``out_specs``)."""
@@ -116,24 +142,18 @@ class Codec:
 
     def quantize_bf16(
         self, w_u16: np.ndarray, matmul: str | None = None, out: dict[str, np.ndarray] | None = None,
-        hessian: np.ndarray | None = None, gptq=None,
     ) -> dict[str, np.ndarray]:
         """Fast path from bf16 bits.  ``out`` (optional): preallocated arrays for some or all
-        suffixes (C-contiguous, dtype/shape as ``out_specs``); they are filled and returned.
-        With a ``hessian`` this is the calibrated path of ``quantize`` (torch, not numba)."""
-        if hessian is None:
-            return self._quantize_bf16_fast(w_u16, matmul, out)
-        res = self.quantize(bf16_to_f32(w_u16), matmul, hessian, gptq)
-        if out:
-            for key, arr in self.alloc(w_u16.shape, matmul, out).items():
-                arr[...] = res[key]
-                res[key] = arr
-        return res
+        suffixes (C-contiguous, dtype/shape as ``out_specs``); they are filled and returned."""
+        return self._quantize_bf16_fast(w_u16, matmul, out)
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
-        res = self.quantize(bf16_to_f32(w_u16), matmul)
+        return self.fill(self.quantize(bf16_to_f32(w_u16), matmul), w_u16.shape, matmul, out)
+
+    def fill(self, res: dict[str, np.ndarray], shape, matmul: str | None, out: dict[str, np.ndarray] | None):
+        """``res`` with the arrays of ``out`` (checked as ``alloc``) holding its values where given."""
         if out:
-            for key, arr in self.alloc(w_u16.shape, matmul, out).items():
+            for key, arr in self.alloc(shape, matmul, out).items():
                 arr[...] = res[key]
                 res[key] = arr
         return res

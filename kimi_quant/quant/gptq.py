@@ -12,16 +12,24 @@ grid is exactly the codec's: the scales (per row for the int schemes, per block 
 fixed first, then every column is rounded on that grid, so the result is written in the same bytes
 as the data-free path and read back by the same ``dequantize``.
 
-Entry point: ``Codec.quantize(w, matmul, hessian=H, gptq=GPTQConfig(...))``; this module holds the
-shared algorithm (``gptq_codes``), the per-row guard and ``GPTQConfig``.  Every codec supplies:
+Entry point: ``gptq_quantize(codec, w, matmul, H, GPTQConfig(...))`` (this module uses the codecs,
+never the reverse); it holds the shared algorithm (``gptq_run``), the per-row guard and
+``GPTQConfig``.  Every codec supplies:
 
-* ``gptq_grids(w, matmul)``: one or more candidate grids (``Grid``: scales + element kind); each is
-  run through GPTQ and every row keeps the candidate with the smallest input-weighted error;
+* ``gptq_grids(w, matmul, data_free)``: one or more candidate grids (``base.Grid``: scales + element
+  kind); each is run through GPTQ and every row keeps the candidate with the smallest input-weighted error;
 * ``encode(codes, grid, matmul)``: the codes on that grid -> the on-disk tensors.
 
 Determinism: the same input, config, torch build and thread count give the same bytes (the CPU path
-runs fixed-order float32/float64 torch ops and a numba kernel without fastmath; ``act_order`` sorts
+runs fixed-order float32/float64 torch ops and numba kernels without fastmath; ``act_order`` sorts
 with a stable sort; choices between candidates are float64 argmins, see ``_Judge``).
+
+Cost, for a routed expert's [3072, 3584]: the factor (a float64 Cholesky and a float32 triangular
+inverse by matrix products), GPTQ's lazy-batch products (~N K^2 multiply-adds) and a few float32
+[N, K] x [K, K] products to judge candidates; the clip ratios are screened on an O(N K m) estimate
+first (``_clip_before``), and a GPTQ result's error comes out of GPTQ itself.  scripts/bench_gptq.py
+measures it against one same-thread matmul.  Memory beyond the Hessian given: one K x K working matrix
+(float32 above FLOAT64_MAX_K, in place) and a few [N, K] arrays (``working_set_bytes``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import numerics as nm
+from .base import Grid
 
 DEVICES = ("cpu", "cuda", "npu")
 #: measured on SmolLM2-135M (scripts/bench_quality.py --quick, W4A8_DYNAMIC + GPTQ, int4 on all 210
@@ -57,6 +66,8 @@ class GPTQConfig:
                 input-weighted error tr(dW H dW^T) is smallest.  Clipping a row's largest weights costs
                 little on H when their inputs are quiet, and the finer step helps every other weight.
                 () or (1.0,): the codec's scale only.
+    clip_finalists: clip ratios judged exactly per row (beside the codec's scale) after a cheap screen
+                of all of them (``_clip_before``); with no more ratios than this, every one is judged.
     clip_after: judge the ratios after GPTQ (every ratio runs GPTQ: len(clip_ratios) x the cost)
                 instead of on plain rounding before it (one GPTQ run, the default).
     mx_exponents: MX grids only: "sse" (the data-free rule's per-block exponent: OCP or one above, by
@@ -73,6 +84,7 @@ class GPTQConfig:
     clip_ratios: tuple = CLIP_RATIOS
     clip_after: bool = False
     mx_exponents: str = "sse"
+    clip_finalists: int = 2
 
     def __post_init__(self):
         if not (0.0 <= self.damp < 10.0) or self.damp != self.damp:
@@ -81,27 +93,12 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.block_size must be a positive integer, got {self.block_size}")
         if not all(0.0 < float(r) <= 1.0 for r in self.clip_ratios):
             raise ValueError(f"GPTQConfig.clip_ratios must lie in (0, 1], got {self.clip_ratios}")
+        if int(self.clip_finalists) != self.clip_finalists or self.clip_finalists < 1:
+            raise ValueError(f"GPTQConfig.clip_finalists must be a positive integer, got {self.clip_finalists}")
         if self.mx_exponents not in ("sse", "hessian", "both"):
             raise ValueError(f"GPTQConfig.mx_exponents must be sse, hessian or both, got {self.mx_exponents!r}")
         if self.device not in DEVICES:
             raise ValueError(f"GPTQConfig.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-
-
-@dataclass
-class Grid:
-    """The fixed quantization grid of one matrix [N, K].
-
-    scale: float32 [N, K // group] (int schemes: group = K, one scale per row; MX: group = 32, the
-           E8M0 block scale 2^e as float32, with ``exp`` holding e or None for an all-zero block).
-    kind:  "int" (codes clip(rint(w / s), qmin, qmax)), "e2m1" or "e4m3" (sign-magnitude MX codes).
-    """
-
-    scale: np.ndarray
-    group: int
-    kind: str
-    qmin: int = 0
-    qmax: int = 0
-    scale_bytes: np.ndarray | None = None  # MX: the E8M0 bytes written for ``scale``
 
 
 def _device(name: str):
@@ -148,100 +145,221 @@ def _round_on_grid(w, s, grid: Grid, consts):
     return code, torch.where(neg, -mag, mag) * s
 
 
-def _prepare_hessian(hessian: np.ndarray, K: int, damp: float, dev):
-    """H as float64 on ``dev`` with dead inputs (H[k,k] == 0: never active in calibration) set to
-    identity rows/columns and ``damp * mean(diag)`` added to the diagonal."""
-    import torch
+#: K up to which the Hessian is prepared and factored in float64 (one K x K matrix: 512 MiB); above it
+#: in float32, in place (the dense MLP's down projection, K ~ 34k: 4.6 GB for the one working matrix)
+FLOAT64_MAX_K = 8192
+#: rows of H per block when it is copied into the working matrix (bounds the float64 temporaries)
+PREP_ROWS = 1024
 
-    H = np.asarray(hessian)
+
+@dataclass
+class Factor:
+    """GPTQ's view of a prepared Hessian H' (dead inputs made identity, ``shift`` added to the diagonal).
+
+    perm:  act-order column order (torch int64 [K]) or None;
+    U:     upper Cholesky factor of the permuted H'^-1 (H'^-1 = U^T U), float32 [K, K], contiguous;
+    shift: the dampening added to the diagonal (damp x the mean live diagonal entry, plus any extra
+           the factorisation needed), so that d H' d = d H d + shift |d|^2 for inputs that are live;
+    dead:  whether some input was dead (then H' differs from H by more than the shift)."""
+
+    perm: object
+    U: object
+    shift: float
+    dead: bool
+
+
+def _check_hessian(H: np.ndarray, K: int) -> None:
     if H.shape != (K, K):
         raise ValueError(f"hessian must be [K, K] = [{K}, {K}] for a weight with K={K} inputs, got {list(H.shape)}")
-    if not np.isfinite(H).all():
-        raise ValueError("hessian has non-finite entries")
-    H = torch.tensor(H, dtype=torch.float64, device=dev)
-    H = (H + H.T) * 0.5
-    diag = torch.diagonal(H)
-    dead = diag <= 0
-    if bool(dead.any()):
-        H[dead, :] = 0
-        H[:, dead] = 0
-        H[dead, dead] = 1.0
-    mean = float(torch.diagonal(H)[~dead].mean()) if bool((~dead).any()) else 1.0
-    torch.diagonal(H).add_(damp * mean)
-    return H
+    for a in range(0, K, PREP_ROWS):  # by rows: no K x K boolean temporary
+        if not np.isfinite(H[a:a + PREP_ROWS]).all():
+            raise ValueError("hessian has non-finite entries")
 
 
-def _inverse_cholesky(H):
-    """Upper Cholesky factor U of H^-1 (H^-1 = U^T U), as float32 (what GPTQ computes with), adding
-    more dampening if H is not positive definite.
-
-    With J the reversal of the K indices, J H J = L L^T (float64 Cholesky) gives H^-1 = U^T U for
-    U = J L^-1 J: one factorisation and one triangular inverse, which is formed in float32 (on
-    SmolLM2's Hessians it is within ~4e-6 of the float64 factor, row-relative)."""
+def _prepared(H: np.ndarray, order: np.ndarray, dead: np.ndarray, shift: float, dtype):
+    """R = the prepared H' in ``order`` (R[a, b] = H'[order[a], order[b]]) as a new torch matrix of
+    ``dtype``: (H + H^T) / 2 in float64, dead rows/columns zero with 1 on the diagonal, + ``shift`` on
+    the diagonal; above FLOAT64_MAX_K built a few rows at a time (float64 temporaries of ~128 MiB)."""
     import torch
 
-    K = H.shape[0]
-    mean = float(torch.diagonal(H).mean())
+    K = len(order)
+    R = torch.empty((K, K), dtype=dtype)
+    dead_o = dead[order]
+    step = min(PREP_ROWS, max(16, (1 << 24) // K))
+    if dtype == torch.float64 and H.dtype == np.float64:  # one pass over a matrix that fits
+        from .gptq_kernels import permute_symmetric
+
+        Rn = R.numpy()
+        permute_symmetric(np.ascontiguousarray(H), np.ascontiguousarray(order, np.int64), Rn)
+        if dead_o.any():
+            Rn[:, dead_o] = 0
+            Rn[dead_o] = 0
+        i = np.arange(K)
+        Rn[i, i] = np.where(dead_o, 1.0, Rn[i, i]) + shift
+        return R
+    for a in range(0, K, step):
+        rows = order[a:a + step]
+        n = len(rows)
+        blk = np.take(np.take(H, rows, axis=0), order, axis=1).astype(np.float64, copy=False)
+        blk = blk + np.take(np.take(H, rows, axis=1), order, axis=0).T
+        blk *= 0.5
+        blk[:, dead_o] = 0
+        blk[dead_o[a:a + n]] = 0
+        i = np.arange(n)
+        blk[i, a + i] = np.where(dead_o[a:a + n], 1.0, blk[i, a + i]) + shift
+        R[a:a + n] = torch.from_numpy(blk)
+    return R
+
+
+def _lower_inverse_in_place(L, leaf: int = 256):
+    """L <- L^-1 for a lower-triangular float32 torch matrix (zeros above the diagonal), recursively:
+    inv([[A, 0], [C, D]]) = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], the products with the triangular
+    inverses by ``_trmm`` (K^3 / 3 flops at matmul speed, where a triangular solve against the
+    identity takes K^3 at a lower rate)."""
+    import torch
+
+    n = L.shape[0]
+    if n <= leaf:
+        L.copy_(torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device), upper=False))
+        return
+    h = n // 2
+    _lower_inverse_in_place(L[:h, :h], leaf)
+    _lower_inverse_in_place(L[h:, h:], leaf)
+    C = L[h:, :h]
+    step = max(1, (1 << 24) // h)  # rows, then columns, of C per product: temporaries of ~64 MiB
+    for r in range(0, n - h, step):
+        C[r:r + step] = _trmm(C[r:r + step], L[:h, :h], right=True)
+    for c in range(0, h, step):
+        C[:, c:c + step] = _trmm(L[h:, h:], C[:, c:c + step], right=False)
+    C.neg_()
+
+
+def _trmm(X, Y, right: bool, leaf: int = 512):
+    """X @ Y with the lower-triangular factor (Y if ``right``, else X) split recursively, so that its
+    zero upper part is never multiplied: half the flops of a full product."""
+    import torch
+
+    T = Y if right else X
+    n = T.shape[0]
+    if n <= leaf:
+        return X @ Y
+    h = n // 2
+    if right:  # X [m, n] @ [[A, 0], [B, D]] = [X1 A + X2 B, X2 D]
+        X1, X2 = X[:, :h], X[:, h:]
+        left = _trmm(X1, T[:h, :h], True, leaf)
+        left.addmm_(X2, T[h:, :h])
+        return torch.cat((left, _trmm(X2, T[h:, h:], True, leaf)), 1)
+    # [[A, 0], [B, D]] @ Y [n, m] = [A Y1, B Y1 + D Y2]
+    Y1, Y2 = Y[:h], Y[h:]
+    low = _trmm(T[h:, h:], Y2, False, leaf)
+    low.addmm_(T[h:, :h], Y1)
+    return torch.cat((_trmm(T[:h, :h], Y1, False, leaf), low), 0)
+
+
+def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Factor:
+    import torch
+
+    diag = np.diagonal(H).astype(np.float64)
+    dead = diag <= 0
+    live = torch.from_numpy(diag)[torch.from_numpy(~dead)]
+    mean = float(live.mean()) if live.numel() else 1.0
+    shift = damp * mean
+    pdiag = torch.from_numpy(np.where(dead, 1.0, diag) + shift)
+    perm = torch.sort(pdiag, descending=True, stable=True).indices if act_order else None
+    # J H' J = L L^T (J reverses the order) gives H'^-1 = U^T U with U = J L^-1 J upper triangular
+    order = (perm if perm is not None else torch.arange(K)).flip(0).numpy()
+    dtype = torch.float64 if K <= FLOAT64_MAX_K else torch.float32
+    R = _prepared(H, order, dead, shift, dtype)
+    pmean = float(torch.diagonal(R).mean())
+    in_place = dtype == torch.float32 and dev.type == "cpu"
     extra = 0.0
-    R = H.flip((0, 1))
     for _ in range(8):
-        A = R if extra == 0.0 else R + torch.eye(K, dtype=H.dtype, device=H.device) * extra
-        L, info = torch.linalg.cholesky_ex(A)
+        if extra and in_place:
+            R = _prepared(H, order, dead, shift, dtype)  # the failed attempt overwrote it
+            torch.diagonal(R).add_(extra)
+        A = R if extra == 0.0 or in_place else R + torch.eye(K, dtype=dtype) * extra
+        if in_place:
+            L, info = torch.linalg.cholesky_ex(A, out=(A, torch.empty((), dtype=torch.int32)))
+        else:
+            L, info = torch.linalg.cholesky_ex(A.to(dev))
         if int(info) == 0:
-            Li = torch.linalg.solve_triangular(L.to(torch.float32), torch.eye(K, dtype=torch.float32, device=H.device),
-                                               upper=False)
-            if bool(torch.isfinite(Li).all()):
-                return Li.flip((0, 1))
-        extra = mean * (1e-3 if extra == 0.0 else 10.0 * extra / mean)
+            L = L.to(torch.float32)
+            _lower_inverse_in_place(L)
+            if bool(torch.isfinite(L.sum())):  # an overflow anywhere makes the sum inf or nan
+                if L.device.type == "cpu":
+                    from .gptq_kernels import flip_in_place
+
+                    flip_in_place(L.numpy())
+                    U = L
+                else:
+                    U = L.flip((0, 1)).contiguous()
+                return Factor(None if perm is None else perm.to(dev), U, shift + extra, bool(dead.any()))
+        extra = pmean * (1e-3 if extra == 0.0 else 10.0 * extra / pmean)
     raise ValueError("hessian is not positive semi-definite (Cholesky failed even with extra dampening)")
 
 
 def gptq_codes(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel: bool = True):
-    """GPTQ on ``grid``: float32 w [N, K], the upper Cholesky factor of the (permuted) prepared H^-1
-    (torch float32, ``_inverse_cholesky``) -> codes int16 [N, K] (numpy).
+    """GPTQ on ``grid`` -> codes int16 [N, K] (numpy); see ``gptq_run``."""
+    return gptq_run(w, Uinv, grid, cfg, perm, kernel)[0]
+
+
+_KINDS = {"int": 0, "e2m1": 1, "e4m3": 2}  # gptq_kernels.KIND_*
+#: rows of the weight updated per product between lazy blocks (bounds the product's temporary)
+UPDATE_ROWS = 4096
+
+
+def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel: bool = True):
+    """GPTQ on ``grid``: float32 w [N, K], the upper Cholesky factor U of the (permuted) prepared H'^-1
+    (torch float32, ``Factor.U``) -> (codes int16 [N, K] numpy, per-row sum of e^2 float64 [N]).
 
     Columns are processed in ``perm`` order (act-order) in blocks of ``cfg.block_size``; inside a
     block each column's error e = (w - q) / U[j, j] is pushed to the block's remaining columns, and
-    the block's errors to all later columns in one product (the "lazy batch" form of GPTQ).
-    On the CPU, int grids run the inside of each block in a numba kernel (``kernels.gptq_int_block``,
-    on the transposed matrix: the same float32 operations as the torch loop, so the same codes;
-    ``kernel=False`` forces the torch loop, the reference the tests compare it with); the products
-    between blocks stay in torch (float32).
-    """
+    the block's errors to all later columns in one product (the "lazy batch" form of GPTQ).  Since
+    w - q = E U and U H' U^T = I, the row's sum of e^2 is its (w - q) H' (w - q)^T (up to float32
+    rounding): the error of the result, without a product with H.
+    On the CPU the inside of each block runs in a numba kernel (``gptq_kernels.gptq_block``, on the
+    transposed matrix, tiled over rows: the same float32 operations as the torch loop, so the same
+    codes); ``kernel=False`` or another device runs the torch loop, the reference the tests compare
+    with.  The products between blocks are torch float32 matmuls."""
     import torch
 
     dev = Uinv.device
     N, K = w.shape
+    B = int(cfg.block_size)
+    U = Uinv if Uinv.dtype == torch.float32 else Uinv.to(torch.float32)
+    if kernel and dev.type == "cpu":
+        from .gptq_kernels import gather_transposed, gptq_block, scatter_transposed
+
+        order = np.ascontiguousarray(perm.cpu().numpy() if perm is not None else np.arange(K), np.int64)
+        Wn = np.empty((K, N), dtype=np.float32)  # [K, N]: a block of columns is a block of rows
+        gather_transposed(w, order, Wn)
+        WT = torch.from_numpy(Wn)
+        scale_t = np.ascontiguousarray(np.asarray(grid.scale, np.float32).T)  # [K // group, N]
+        CT = np.empty((K, N), dtype=np.int16)
+        ET = torch.empty((min(B, K), N), dtype=torch.float32)
+        sq = np.zeros(N, dtype=np.float64)
+        kind = _KINDS[grid.kind]
+        qmin, qmax = np.float32(grid.qmin), np.float32(grid.qmax)
+        for i1 in range(0, K, B):
+            i2 = min(i1 + B, K)
+            E1 = ET[:i2 - i1]
+            ST = scale_t[order[i1:i2] // grid.group] if scale_t.shape[0] > 1 else np.broadcast_to(scale_t, (i2 - i1, N))
+            gptq_block(Wn[i1:i2], np.ascontiguousarray(ST), np.ascontiguousarray(U[i1:i2, i1:i2].numpy()), kind,
+                       qmin, qmax, CT[i1:i2], E1.numpy(), sq)
+            for r1 in range(i2, K, UPDATE_ROWS):  # W[:, later] -= E1 U[block, later], transposed
+                r2 = min(r1 + UPDATE_ROWS, K)
+                WT[r1:r2].addmm_(U[i1:i2, r1:r2].T, E1, alpha=-1)
+        codes = np.empty((N, K), dtype=np.int16)
+        scatter_transposed(CT, order, codes)
+        return codes, sq
     W = torch.tensor(w, dtype=torch.float32, device=dev)
     S = torch.tensor(np.repeat(grid.scale, grid.group, axis=1) if grid.group < K else
                      np.broadcast_to(grid.scale, (N, K)), dtype=torch.float32, device=dev)
     if perm is not None:
         W, S = W[:, perm].contiguous(), S[:, perm].contiguous()
-    U = Uinv.to(torch.float32)
-    B = int(cfg.block_size)
-    if kernel and dev.type == "cpu" and grid.kind == "int":
-        from .base import load_kernels
-
-        block = load_kernels().gptq_int_block
-        WT = W.T.contiguous()  # [K, N]: a block of columns is a block of rows
-        ST = S.T.contiguous().numpy()
-        UT = U.T.contiguous()
-        CT = np.empty((K, N), dtype=np.float32)
-        ET = np.empty((min(B, K), N), dtype=np.float32)
-        Wn, Un = WT.numpy(), U.contiguous().numpy()
-        qmin, qmax = np.float32(grid.qmin), np.float32(grid.qmax)
-        for i1 in range(0, K, B):
-            i2 = min(i1 + B, K)
-            E1 = ET[:i2 - i1]
-            block(Wn[i1:i2], ST[i1:i2], np.ascontiguousarray(Un[i1:i2, i1:i2]), qmin, qmax, CT[i1:i2], E1)
-            if i2 < K:
-                WT[i2:] -= UT[i2:, i1:i2] @ torch.from_numpy(E1)
-        codes = CT.T
-        if perm is not None:
-            codes = np.take(codes, torch.argsort(perm).numpy(), axis=1)
-        return np.ascontiguousarray(codes, dtype=np.int16)
     consts = {"e2m1": torch.tensor(nm.E2M1_VALUES, dtype=torch.float32, device=dev)}
     codes = torch.empty((N, K), dtype=torch.int16, device=dev)
+    sq = torch.zeros(N, dtype=torch.float64, device=dev)
     for i1 in range(0, K, B):
         i2 = min(i1 + B, K)
         W1 = W[:, i1:i2].clone()
@@ -254,24 +372,28 @@ def gptq_codes(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kern
             err = (wc - v) / U1[i, i]
             W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
             E1[:, i] = err
+            sq += err.to(torch.float64) ** 2
         if i2 < K:
             W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
-    return codes.cpu().numpy()
+    return codes.cpu().numpy(), sq.cpu().numpy()
 
 
 def values_of(codes: np.ndarray, grid: Grid) -> np.ndarray:
     """float32 [N, K]: the weights the codes stand for (what ``dequantize`` of the encoded bytes gives)."""
     N, K = codes.shape
-    s = np.repeat(grid.scale, grid.group, axis=1) if grid.group < K else np.broadcast_to(grid.scale, (N, K))
     if grid.kind == "int":
         v = codes.astype(np.float32)
     elif grid.kind == "e2m1":
         v = nm.e2m1_to_f32(codes.astype(np.uint8))
     else:
         v = nm.e4m3_to_f32(codes.astype(np.uint8))
-    return (v * s).astype(np.float32)
+    if grid.group >= K:
+        v *= np.asarray(grid.scale, np.float32).reshape(N, 1)
+    else:
+        v.reshape(N, K // grid.group, grid.group)[...] *= np.asarray(grid.scale, np.float32)[:, :, None]
+    return v
 
 
 def weighted_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> np.ndarray:
@@ -281,62 +403,104 @@ def weighted_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> np.nd
 
 
 #: float32 judging: a row is re-judged in float64 when another candidate's float32 error lies within
-#: this fraction of the best one (100x the float32 error measured: float32 products differ from float64 by at most 1e-4 relative
-#: on SmolLM2's Hessians, layers 0/1/15/29, plain and GPTQ int4 candidates; see _Judge)
-JUDGE_RTOL = 1e-2
+#: this fraction of the best one (10x the largest float32 error measured on real Hessians; see _Judge
+#: and tests/test_gptq.py, which checks the margin)
+JUDGE_RTOL = 1e-3
+
+
+#: rows of the weight per product when errors are formed (bounds the [rows, K] temporaries)
+JUDGE_ROWS = 2048
 
 
 class _Judge:
     """Per-row input-weighted errors ``(w - v) H (w - v)^T`` of candidate quantizations, and the per-row
     choice among them.
 
-    The errors are formed with float32 products on the upper triangle of H (column blocks: ~0.6x the
-    flops of a full product, which itself takes half the time in float32 as in float64); every row where a
-    second candidate comes within ``JUDGE_RTOL`` of the best (relative, plus a floor of 1e-9 of the row's
-    diagonal energy sum_k w_k^2 H_kk for rows whose errors are ~0) is judged again with float64 products
-    on just those rows, so each row's choice is the float64 argmin (ties: the earlier candidate)."""
+    The errors are formed with float32 products on the upper triangle of H (column blocks: ~0.55x the
+    flops of a full product); every row where a second candidate comes within ``JUDGE_RTOL`` of the
+    best (relative, plus a floor of 1e-9 of the row's diagonal energy sum_k w_k^2 H_kk for rows whose
+    errors are ~0) is judged again with float64 products on just those rows, so each row's choice is
+    the float64 argmin (ties: the earlier candidate).  H is read as given (float64 or float32, never
+    copied whole): the float32 blocks of the triangle are kept for K <= FLOAT64_MAX_K, else formed
+    per use."""
 
-    def __init__(self, w: np.ndarray, hessian: np.ndarray, dev):
+    def __init__(self, w: np.ndarray, hessian: np.ndarray, dev, shared: "_Judge | None" = None):
         import torch
 
-        self.w = w
         self.dev = dev
-        self.hessian = np.asarray(hessian)
-        self.W32 = torch.tensor(w, dtype=torch.float32, device=dev)
-        # d H d^T = 2 sum_{k <= j} d_k T_kj d_j with T the upper triangle of (H + H^T) / 2, its diagonal
-        # halved: products with column blocks of T skip the zero part below the diagonal (~0.6x the flops)
-        H = torch.tensor(self.hessian, dtype=torch.float64, device=dev)
-        T = torch.triu((H + H.T) * 0.5)
-        torch.diagonal(T).mul_(0.5)
-        self.T32 = T.to(torch.float32)
-        K = w.shape[1]
-        nb = max(1, min(8, K // 128))
-        edges = [round(i * K / nb) for i in range(nb + 1)]
-        self.blocks = list(zip(edges[:-1], edges[1:]))
-        diag = np.clip(np.diagonal(self.hessian), 0, None)
-        self.floor = 1e-9 * ((w.astype(np.float64) ** 2) @ diag)
-        self._H64 = None
+        self.hessian = hessian
+        K = hessian.shape[0]
+        if shared is None:
+            # column blocks of the triangle: 16 for a kept one, <= 1024 columns when formed per use
+            nb = max(1, min(16, K // 224)) if K <= FLOAT64_MAX_K else -(-K // 1024)
+            edges = [round(i * K / nb) for i in range(nb + 1)]
+            self.blocks = list(zip(edges[:-1], edges[1:]))
+            self._kept = [self._triangle_block(a, b) for a, b in self.blocks] if K <= FLOAT64_MAX_K else None
+            self._screen = None
+        else:
+            self.blocks, self._kept, self._screen = shared.blocks, shared._kept, shared._screen
+        self.w = w
+        self.W32 = torch.from_numpy(w).to(dev)
+        diag = np.clip(np.diagonal(hessian), 0, None).astype(np.float32)
+        self.floor = 1e-9 * ((w * w) @ diag).astype(np.float64)
         self.refined = 0  # rows re-judged in float64 (diagnostic)
 
-    def fast(self, values: np.ndarray) -> np.ndarray:
-        """float32 estimate of each row's error, as float64 numpy [N]."""
+    def for_rows(self, w: np.ndarray) -> "_Judge":
+        """A judge of the rows ``w`` of the same H, sharing this one's triangle blocks."""
+        return _Judge(w, self.hessian, self.dev, shared=self)
+
+    def _triangle_block(self, a: int, b: int):
+        """T[:b, a:b] as float32: T the upper triangle of (H + H^T) / 2 with its diagonal halved, so that
+        d H d^T = 2 sum_{k <= j} d_k T_kj d_j (products with column blocks of T skip its zero part)."""
         import torch
 
-        D = self.W32 - torch.as_tensor(values, dtype=torch.float32).to(self.dev)
-        Y = torch.empty_like(D)
-        for a, b in self.blocks:  # Y[:, j] = sum_{k <= j} D[:, k] T[k, j]
-            torch.matmul(D[:, :b], self.T32[:b, a:b], out=Y[:, a:b])
-        return (Y * D).sum(dim=1, dtype=torch.float64).mul_(2.0).cpu().numpy()
+        H = self.hessian
+        T = (np.asarray(H[:b, a:b], np.float64) + np.asarray(H[a:b, :b], np.float64).T) * 0.5
+        sq = T[a:b]  # the square part: rows a..b
+        sq[np.tril_indices(b - a, -1)] = 0
+        sq[np.diag_indices(b - a)] *= 0.5
+        return torch.from_numpy(T.astype(np.float32)).to(self.dev)
+
+    def fast(self, values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+        """float32 estimate of each row's error (of rows ``rows`` only, whose values are ``values[rows]``),
+        as float64 numpy."""
+        import torch
+
+        idx = np.arange(values.shape[0]) if rows is None else np.asarray(rows)
+        out = torch.zeros(len(idx), dtype=torch.float64, device=self.dev)
+        for r1 in range(0, len(idx), JUDGE_ROWS):
+            sel = idx[r1:r1 + JUDGE_ROWS]
+            part = slice(r1, r1 + len(sel))
+            if rows is None:
+                D = self.W32[part] - torch.from_numpy(np.ascontiguousarray(values[part], np.float32)).to(self.dev)
+            else:
+                D = torch.from_numpy(self.w[sel] - np.asarray(values[sel], np.float32)).to(self.dev)
+            for i, (a, b) in enumerate(self.blocks):  # sum_j (sum_{k <= j} D[:, k] T[k, j]) D[:, j]
+                T = self._kept[i] if self._kept is not None else self._triangle_block(a, b)
+                out[part] += ((D[:, :b] @ T) * D[:, a:b]).sum(dim=1, dtype=torch.float64)
+        return out.mul_(2.0).cpu().numpy()
+
+    def from_gptq(self, values: np.ndarray, sq: np.ndarray, factor: "Factor") -> np.ndarray:
+        """The error of a GPTQ result from its own sum of e^2 (``gptq_run``): d H d = d H' d - shift |d|^2
+        when no input is dead; else (H' differs from H on the dead inputs) the float32 products."""
+        import torch
+
+        if factor.dead:
+            return self.fast(values)
+        d = torch.from_numpy(self.w) - torch.from_numpy(np.ascontiguousarray(values, np.float32))
+        return sq - factor.shift * (d * d).sum(dim=1, dtype=torch.float64).numpy()
 
     def exact(self, rows: np.ndarray, values: np.ndarray) -> np.ndarray:
         """float64 error of rows ``rows`` whose quantized values are ``values`` [len(rows), K]."""
-        import torch
-
-        if self._H64 is None:
-            self._H64 = torch.tensor(self.hessian, dtype=torch.float64, device=self.dev)
-        D = torch.tensor(self.w[rows], dtype=torch.float64, device=self.dev) - \
-            torch.tensor(values, dtype=torch.float64, device=self.dev)
-        return _weighted_error_t(D, self._H64).cpu().numpy()
+        D = self.w[rows].astype(np.float64) - values.astype(np.float64)
+        K = D.shape[1]
+        if self.hessian.dtype == np.float64 and K <= FLOAT64_MAX_K:
+            return ((D @ self.hessian) * D).sum(axis=1)
+        out = np.zeros(len(rows))
+        step = max(1, (1 << 24) // K)  # columns of H per product: float64 temporaries of ~128 MiB
+        for a in range(0, K, step):
+            out += ((D @ np.asarray(self.hessian[:, a:a + step], np.float64)) * D[:, a:a + step]).sum(axis=1)
+        return out
 
     def choose(self, errs: list, values_of_rows: list):
         """``errs``: float32 estimates [N] per candidate; ``values_of_rows[c](rows)`` -> candidate c's values
@@ -355,57 +519,106 @@ class _Judge:
                 emin[near] = E64[best[near], np.arange(near.size)]
         return best, emin
 
+    def screen(self, rank: int):
+        """A cheap estimate of (w - v) H (w - v)^T for many candidates: (G [K, m], r [K]) with H ~ G G^T +
+        diag(r), G the first m columns of H's pivoted Cholesky (largest remaining diagonal first) and r
+        the remaining diagonal: the estimate |d G|^2 + sum_k d_k^2 r_k is exact on the m pivots' span and
+        counts the rest by its diagonal (O(N K m) per candidate)."""
+        if self._screen is not None and self._screen[0] == rank:
+            return self._screen[1]
+        H = self.hessian
+        K = H.shape[0]
+        m = min(rank, K)
+        G = np.zeros((K, m))
+        r = np.diagonal(H).astype(np.float64).copy()
+        for j in range(m):
+            p = int(np.argmax(r))
+            if r[p] <= 0:
+                G = G[:, :j]
+                break
+            g = (0.5 * (H[:, p].astype(np.float64) + H[p, :].astype(np.float64)) - G[:, :j] @ G[p, :j]) / np.sqrt(r[p])
+            G[:, j] = g
+            r = np.maximum(r - g * g, 0.0)
+        self._screen = (rank, (G.astype(np.float32), r.astype(np.float32)))
+        return self._screen[1]
 
-_LAST_FACTOR: list = []  # [(key, (perm, Uinv))]: the last factor, for Linears sharing one H
-#: largest K whose factor is kept after the call (K^2 x 4 B: 256 MiB); larger ones (a dense MLP's
-#: down projection, K ~ 34k) are not held past their own call
+
+_LAST_FACTOR: list = []  # [(copy of H, damp, act_order, device, Factor)]: the last factor, for Linears sharing one H
+#: largest K whose factor is kept after the call (with a copy of its H to recognise it: K^2 x 12 B,
+#: 768 MiB at 8192); larger ones (a dense MLP's down projection, K ~ 34k) are not held past their call
 KEEP_FACTOR_MAX_K = 8192
 
 
-def _factor(hessian, K: int, cfg: GPTQConfig, dev):
-    """(act-order permutation or None, upper Cholesky factor of the permuted prepared H^-1).  The last
-    one is kept (keyed by a BLAKE2b digest of H's bytes, no copy): Linears fed the same input (q/k/v,
-    gate/up) come one after another with equal H."""
-    import hashlib
-
-    import torch
-
-    h = np.ascontiguousarray(hessian, dtype=np.float64)
-    key = (hashlib.blake2b(h.data, digest_size=32).digest(), h.shape, cfg.damp, cfg.act_order, str(dev))
-    if _LAST_FACTOR and _LAST_FACTOR[0][0] == key:
-        return _LAST_FACTOR[0][1]
+def _factor(hessian, K: int, cfg: GPTQConfig, dev) -> Factor:
+    """The prepared, permuted and inverted H (``Factor``).  The last one is kept with a copy of its H:
+    Linears fed the same input (q/k/v, gate/up) come one after another with equal H (compared
+    element for element; a copy, so that a caller refilling its array in place is never served a
+    stale factor)."""
+    H = np.asarray(hessian)
+    _check_hessian(H, K)
+    params = (cfg.damp, cfg.act_order, str(dev))
+    if _LAST_FACTOR:
+        kept, kept_params, factor = _LAST_FACTOR[0]
+        if kept_params == params and kept.dtype == H.dtype and np.array_equal(kept, H):
+            return factor
     _LAST_FACTOR.clear()
-    H = _prepare_hessian(h, K, cfg.damp, dev)
-    perm = None
-    if cfg.act_order:
-        # stable: equal activities keep their column order (deterministic)
-        perm = torch.sort(torch.diagonal(H), descending=True, stable=True).indices
-        H = H[perm][:, perm]
-    out = (perm, _inverse_cholesky(H))
+    factor = _factor_once(H, K, cfg.damp, cfg.act_order, dev)
     if K <= KEEP_FACTOR_MAX_K:
-        _LAST_FACTOR.append((key, out))
-    return out
-
-
-def _weighted_error_t(d, H):
-    return ((d @ H) * d).sum(dim=1)
+        _LAST_FACTOR.append((H.copy(), params, factor))
+    return factor
 
 
 def _rows(g: Grid, rows: np.ndarray) -> Grid:
     return Grid(g.scale[rows], g.group, g.kind, g.qmin, g.qmax, None if g.scale_bytes is None else g.scale_bytes[rows])
 
 
-def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQConfig | None):
-    """The calibrated path of ``Codec.quantize``: GPTQ over the codec's candidate grids, per row the
-    candidate (or, with ``cfg.guard``, the data-free codes) with the smallest input-weighted error
-    (judged by ``_Judge``: float32 products, float64 where candidates come close)."""
+def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQConfig | None = None):
+    """The calibrated path: float32 ``w`` [N, K] and the statistic of this Linear's inputs,
+    ``hessian`` = (1/n) sum_t x_t x_t^T [K, K] (float64 or float32) over the n calibration tokens
+    reaching it -> the codec's on-disk tensors (the format of ``codec.out_specs``).
+
+    GPTQ over the codec's candidate grids, per row the candidate (or, with ``cfg.guard``, the
+    data-free codes) with the smallest input-weighted error (judged by ``_Judge``: float32 products,
+    float64 where candidates come close; a GPTQ result's error comes from GPTQ itself)."""
     cfg = cfg or GPTQConfig()
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    codec.require(w.shape, matmul)
     nm.check_finite(w)
     N, K = w.shape
     dev = _device(cfg.device)
-    perm, Uinv = _factor(hessian, K, cfg, dev)
-    judge = _Judge(w, hessian, dev)
-    grids = list(codec.gptq_grids(w, matmul))
+    factor = _factor(hessian, K, cfg, dev)
+    judge = _Judge(w[:0], np.asarray(hessian), dev)
+    step = _rows_per_chunk(N, K)
+    if step >= N:
+        codes, grid = _quantize_rows(codec, w, matmul, factor, judge.for_rows(w), cfg)
+        return codec.encode(codes, grid, matmul)
+    # rows are independent problems given the factor: in chunks, bounding the [rows, K] working arrays
+    codes = np.empty((N, K), dtype=np.int16)
+    grids = []
+    for r1 in range(0, N, step):
+        rows = w[r1:r1 + step]
+        codes[r1:r1 + len(rows)], g = _quantize_rows(codec, rows, matmul, factor, judge.for_rows(rows), cfg)
+        grids.append(g)
+    scale_bytes = None if grids[0].scale_bytes is None else np.concatenate([g.scale_bytes for g in grids])
+    grid = Grid(np.concatenate([g.scale for g in grids]), grids[0].group, grids[0].kind, grids[0].qmin,
+                grids[0].qmax, scale_bytes)
+    return codec.encode(codes, grid, matmul)
+
+
+#: elements of the weight per chunk of rows (``_rows_per_chunk``)
+ROW_CHUNK_ELEMS = 1 << 25
+
+
+def _rows_per_chunk(N: int, K: int) -> int:
+    """Rows quantized together: ROW_CHUNK_ELEMS / K (a routed expert's [3072, 3584] is one chunk), even
+    (int4 packs row pairs), at least 2."""
+    return max(2, (ROW_CHUNK_ELEMS // K) & ~1)
+
+
+def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: _Judge, cfg: GPTQConfig):
+    """(codes [n, K], grid) of rows ``w`` [n, K]: the candidates, GPTQ on each, the per-row choice."""
+    free = codec.fast_data_free_codes(w, matmul)
+    grids = list(codec.gptq_grids(w, matmul, free))
     if cfg.mx_exponents != "sse":
         mx = [g for g in grids if g.kind in ("e2m1", "e4m3")]
         on_h = [_mx_grid_on_h(w, g.kind, judge.hessian) for g in mx]
@@ -420,18 +633,18 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
             elif cfg.clip_after:
                 out += [g, *(_scaled(g, r) for r in ratios)]
             else:
-                out.append(_clip_before(w, g, ratios, judge, known))
+                out.append(_clip_before(w, g, ratios, judge, known, cfg.clip_finalists))
         grids = out
     cands = []  # (grid, codes, float32 error)
     for grid in grids:
-        codes = gptq_codes(w, Uinv, grid, cfg, perm)
-        cands.append((grid, codes, judge.fast(values_of(codes, grid))))
+        codes, sq = gptq_run(w, factor.U, grid, cfg, factor.perm)
+        cands.append((grid, codes, judge.from_gptq(values_of(codes, grid), sq, factor)))
     if cfg.guard:
-        grid, codes = codec.data_free_codes(w, matmul)
+        grid, codes = free
         err = next((e for g, c, e in known if np.array_equal(g.scale, grid.scale) and np.array_equal(c, codes)), None)
         cands.append((grid, codes, judge.fast(values_of(codes, grid)) if err is None else err))
     if len(cands) == 1:
-        return codec.encode(cands[0][1], cands[0][0], matmul)
+        return cands[0][1], cands[0][0]
     best, _ = judge.choose([e for _, _, e in cands],
                            [lambda rows, g=g, c=c: values_of(c[rows], _rows(g, rows)) for g, c, _ in cands])
     codes = cands[0][1]
@@ -439,7 +652,27 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
         take = best == i
         if take.any():
             codes = np.where(take[:, None], cands[i][1], codes)
-    return codec.encode(codes, _pick_rows(best, [g for g, _, _ in cands]), matmul)
+    return codes, _pick_rows(best, [g for g, _, _ in cands])
+
+
+def working_set_bytes(N: int, K: int) -> int:
+    """Bytes ``gptq_quantize`` of an [N, K] weight allocates beyond the weight and the Hessian it is
+    given, at its peak (an upper bound): the K x K working matrix (float64 up to FLOAT64_MAX_K, where
+    the Cholesky's output and its float32 copy coexist, with the judge's float32 triangle blocks and the
+    kept copy of H: 29 B per entry; above it float32, in place, plus its preparation's row blocks),
+    ~28 B per weight entry of one chunk of rows (the transposed copy, codes, candidates' values and
+    differences), and the whole matrix's codes and encoded output (3 B per entry)."""
+    rows = min(N, _rows_per_chunk(N, K))
+    square = K * K * (20 + 9) if K <= FLOAT64_MAX_K else K * K * 4 + 3 * 8 * K * max(1, (1 << 24) // K)
+    return int(square + 28 * rows * K + 3 * N * K + (64 << 20))
+
+
+def gptq_quantize_bf16(codec, w_u16: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQConfig | None = None,
+                       out: dict | None = None) -> dict:
+    """``gptq_quantize`` from bf16 bits, filling ``out`` as ``Codec.quantize_bf16`` does."""
+    from ..dtypes import bf16_to_f32
+
+    return codec.fill(gptq_quantize(codec, bf16_to_f32(w_u16), matmul, hessian, cfg), w_u16.shape, matmul, out)
 
 
 def _pick_rows(best: np.ndarray, grids: list) -> Grid:
@@ -473,23 +706,73 @@ def _scaled(g: Grid, r: float) -> Grid:
     return Grid((g.scale * np.float32(r)).astype(np.float32), g.group, g.kind, g.qmin, g.qmax, g.scale_bytes)
 
 
-def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list) -> Grid:
+#: columns of the pivoted Cholesky screen of the clip search (``_Judge.screen``)
+SCREEN_RANK = 32
+
+
+def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, finalists: int) -> Grid:
     """Per row, the scale among ``g``'s and r x it (r in ``ratios``) whose plain rounding has the
-    smallest input-weighted error on H (ties keep the earlier, the unclipped first).  One float32
-    [N, K] x [K, K] product per ratio (``_Judge``: float64 only for rows where two ratios come close).
-    Appends (g, its plain codes, their error) to ``known`` (the guard's data-free codes, often the same)."""
-    grids = [g, *(_scaled(g, r) for r in ratios)]
+    smallest input-weighted error on H (ties keep the earlier, the unclipped first).
+
+    With more clipped ratios than ``finalists``, every ratio is first scored on a cheap estimate
+    (``_Judge.screen``); per row the best-scored clipped ratio is judged beside the unclipped scale
+    (or taken without a product where the screen puts it ahead by more than its inaccuracy and no
+    other ratio comes close), and the next ones (up to ``finalists``) only on the rows where their score comes within the
+    screen's own inaccuracy of the best (measured per row on the unclipped candidate, judged anyway:
+    four times its relative error, plus 2%): about one float32 [N, K] x [K, K] product per finalist kept instead of
+    one per ratio.  Appends (g, its plain codes, their error) to ``known`` (the guard's data-free
+    codes, often the same)."""
+    clipped = [_scaled(g, r) for r in ratios]
 
     def plain(grid, rows=slice(None)):  # per channel (_clippable): scale [N, 1]
-        return np.clip(np.rint(w[rows] / grid.scale[rows]), grid.qmin, grid.qmax)
+        c = w[rows] / grid.scale[rows]
+        return np.clip(np.rint(c, out=c), grid.qmin, grid.qmax, out=c)
 
-    errs = []
-    for i, grid in enumerate(grids):
-        codes = plain(grid)
-        errs.append(judge.fast(values_of(codes, grid)))
-        if i == 0:
-            known.append((g, codes.astype(np.int8), errs[0]))
+    codes0 = plain(g)
+    values0 = values_of(codes0, g)
+    err0 = judge.fast(values0)
+    known.append((g, codes0.astype(np.int8), err0))
+    grids, errs = [g], [err0]
+    settled = np.zeros(len(w), dtype=bool)  # rows whose ratio the screen decides alone
+    if len(clipped) <= finalists:
+        grids += clipped
+        errs += [judge.fast(values_of(plain(gr), gr)) for gr in clipped]
+    else:
+        G, r = judge.screen(SCREEN_RANK)
+
+        from .gptq_kernels import plain_errors
+
+        d = np.empty_like(w)
+
+        def score(grid):  # |d G|^2 + sum_k d_k^2 r_k of the plain rounding on ``grid``
+            diag = plain_errors(w, np.ascontiguousarray(grid.scale[:, 0]), np.float32(grid.qmin),
+                                np.float32(grid.qmax), r, d)
+            p = d @ G
+            return (p * p).sum(axis=1, dtype=np.float64) + diag
+
+        scores = np.stack([score(gr) for gr in clipped])
+        # per row (so that rows stay independent problems): the screen's relative miss on the
+        # unclipped candidate, four times, plus 2%
+        unclipped = score(g)
+        slack = np.minimum(1.0, 4.0 * np.abs(unclipped / np.maximum(err0, judge.floor + 1e-300) - 1) + 0.02)
+        order = np.argsort(scores, axis=0, kind="stable")
+        n = np.arange(len(w))
+        best_score = scores[order[0], n]
+        close = [scores[order[f], n] <= best_score * (1 + slack) for f in range(1, finalists)]
+        # rows where the screen puts the best clipped ratio clearly ahead of the unclipped one, with no
+        # other ratio close: that ratio, without a product
+        settled = (best_score < unclipped * (1 - slack)) & ~np.any(close, axis=0)
+        for f in range(finalists):
+            rows = np.flatnonzero(~settled if f == 0 else close[f - 1])
+            if f and rows.size == 0:
+                break
+            grid = _pick_rows(order[f], clipped)
+            e = np.full(len(w), np.inf)
+            e[rows] = judge.fast(values_of(plain(grid), grid), rows)
+            grids.append(grid)
+            errs.append(e)
     best, _ = judge.choose(errs, [lambda rows, gr=gr: values_of(plain(gr, rows), _rows(gr, rows)) for gr in grids])
+    best[settled] = 1
     return _pick_rows(best, grids)
 
 

@@ -7,20 +7,7 @@ import math
 import numpy as np
 
 from . import numerics as nm
-from .base import REGISTRY, Codec, Spec, load_kernels, register
-from .gptq import Grid
-
-
-def _u16(w_u16: np.ndarray) -> np.ndarray:
-    w = np.ascontiguousarray(w_u16)
-    if w.dtype != np.uint16 or w.ndim != 2:
-        raise TypeError(f"quantize_bf16 needs a 2-D uint16 array of bf16 bits, got {w.dtype} {list(w.shape)}")
-    return w
-
-
-def _raise_nonfinite(w_u16: np.ndarray, row: int) -> None:
-    col = int(np.argmax((w_u16[row] & 0x7F80) == 0x7F80))
-    raise nm.NonFiniteWeight(row, col)
+from .base import REGISTRY, Codec, Grid, Spec, bf16_bits, load_kernels, raise_nonfinite_bf16, register
 
 
 @register
@@ -36,7 +23,7 @@ class W4A8Dynamic(Codec):
     ``weight_offset_second`` float32 [N, K/G] (zeros); the loader's scale is
     float16(weight_scale * weight_scale_second), so the group's rule is rounded up to float16 and
     written whole into ``weight_scale_second``, with ``weight_scale`` = 1.0 (``numerics.int4_group_scale``).
-    With a hessian, GPTQ on the same grid (``gptq``).
+    Calibrated: GPTQ on the same grid (``gptq``).
     """
 
     name = "W4A8_DYNAMIC"
@@ -108,7 +95,7 @@ class W4A8Dynamic(Codec):
                 "weight_offset_second": np.zeros_like(s), "scale_bias": nm.int4_group_scale_bias(q, s, matmul)}
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
-        w = _u16(w_u16)
+        w = bf16_bits(w_u16)
         res = self.alloc(w.shape, matmul, out)
         kernels = load_kernels()
         if self.group_size:
@@ -121,7 +108,7 @@ class W4A8Dynamic(Codec):
         else:
             bad = kernels.int4_kernel(w, res["weight"], res["weight_scale"], res["scale_bias"])
         if bad >= 0:
-            _raise_nonfinite(w, bad)
+            raise_nonfinite_bf16(w, bad)
         res["weight_offset"].fill(0)
         return res
 
@@ -168,11 +155,11 @@ class W8A8Dynamic(Codec):
                 "weight_offset": np.zeros((codes.shape[0], 1), np.float32)}
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
-        w = _u16(w_u16)
+        w = bf16_bits(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = load_kernels().int8_kernel(w, res["weight"], res["weight_scale"])
         if bad >= 0:
-            _raise_nonfinite(w, bad)
+            raise_nonfinite_bf16(w, bad)
         res["weight_offset"].fill(0)
         return res
 

@@ -27,7 +27,7 @@ in ``_mx_kernel``); the reference always evaluates both, and the tests check the
 
 Compilation: a conversion normally runs these functions compiled ahead of time (``aot``, through
 ``base.load_kernels``: no numba in the workers). Run here, by numba's JIT (where that build is not
-possible, in the tests, and ``gptq_int_block`` always), ``cache=True`` stores machine code next to
+possible, and in the tests), ``cache=True`` stores machine code next to
 this file (``__pycache__``), or in NUMBA_CACHE_DIR / a per-user cache dir when that is not writable.
 A cold compile of all kernels takes ~10 s; a cache load ~0.2 s (after numba's own start, ~0.7 s).
 Call ``warmup()`` once in a parent process before forking workers so that they do not all compile.
@@ -734,38 +734,6 @@ def mxfp8_kernel(w, codes_out, scale_out, margin=MX_SCREEN_MARGIN):
     return _mx_kernel(w, codes_out, scale_out, 8, True, margin)
 
 
-@njit(cache=True)
-def gptq_int_block(WT, ST, U1, qmin, qmax, CT, ET):
-    """GPTQ's inner loop over one lazy block on an int grid (``gptq.gptq_codes``), transposed so that
-    each step runs over all rows at once (contiguous, vectorised).
-
-    WT float32 [B, N]: the block's weights (column i of the block is row i here), already updated by
-    earlier blocks (overwritten); ST float32 [B, N]: the scales; U1 float32 [B, B]: the block of the
-    upper Cholesky factor of H^-1.  Column i: c = clip(rint(w / s), qmin, qmax) (float32 division,
-    half to even), e = (w - c * s) / U1[i, i], then w_j -= e * U1[i, j] for the later columns j.
-    Writes the codes to CT and the scaled errors e to ET (float32 [B, N]).  The same float32
-    operations per element as the torch loop (no fastmath: no fused multiply-add, no reordering), so
-    the codes come out identical."""
-    B, N = WT.shape
-    for i in range(B):
-        wi = WT[i]
-        si = ST[i]
-        ci = CT[i]
-        ei = ET[i]
-        d = U1[i, i]
-        for n in range(N):
-            x = wi[n]
-            s = si[n]
-            c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
-            ci[n] = c
-            ei[n] = np.float32(np.float32(x - np.float32(c * s)) / d)
-        for j in range(i + 1, B):
-            u = U1[i, j]
-            wj = WT[j]
-            for n in range(N):
-                wj[n] = np.float32(wj[n] - np.float32(ei[n] * u))
-
-
 #: bf16 bits of the E2M1 value of each code 0..15 (bit 3 the sign)
 _E2M1_BF16_BITS = (_E2M1.view(np.uint32) >> 16).astype(np.uint16)
 _E2M1_BF16_BITS = np.concatenate([_E2M1_BF16_BITS, _E2M1_BF16_BITS | np.uint16(0x8000)])
@@ -795,9 +763,8 @@ def mxfp4_decode_kernel(codes, scales, out):
 
 
 def warmup(writable: bool = True) -> None:
-    """Compile (or load from the numba cache) every conversion kernel on a tiny input. Not
-    ``gptq_int_block``: it runs only on the calibrated path, in the driver, which loads it on first
-    use; warming it here cost every conversion's workers a load (~1 s compile on a cold cache).
+    """Compile (or load from the numba cache) every conversion kernel on a tiny input (the calibrated
+    path's kernels, ``gptq_kernels``, load on first use there).
     ``writable=False``: only the signatures for read-only input, the mmap views a conversion's
     workers pass (the others load on first use; ~50 ms less before the workers can start)."""
     w1 = np.zeros((2, 32), dtype=np.uint16)

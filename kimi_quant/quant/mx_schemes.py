@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import f32_to_bf16
+from ..dtypes import bf16_to_f32, f32_to_bf16
 from . import numerics as nm
-from .base import Codec, Spec, load_kernels, register
-from .gptq import Grid
-from .int_schemes import _raise_nonfinite, _u16
+from .base import Codec, Grid, Spec, bf16_bits, load_kernels, raise_nonfinite_bf16, register
 from .numerics import BLOCK
 
 
@@ -26,21 +24,34 @@ class _MX(Codec):
     def _values(weight: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
+    @staticmethod
+    def _codes(weight: np.ndarray) -> np.ndarray:
+        """The sign-magnitude codes [N, K] in ``weight`` as written (the inverse of ``_pack``)."""
+        return weight
+
     kernel: str  # name of the numba kernel in ``kernels``: (w, weight_out, scale_out) -> bad row or -1
 
     def data_free_codes(self, w, matmul):
         code, scale = nm.mx_quantize(w, self.elem)
         return Grid(nm.e8m0_to_f32(scale), BLOCK, self.elem, scale_bytes=scale), code
 
+    def fast_data_free_codes(self, w, matmul):
+        bits = f32_to_bf16(w)
+        if not np.array_equal(bf16_to_f32(bits), w):
+            return self.data_free_codes(w, matmul)
+        res = self._quantize_bf16_fast(bits, matmul, None)
+        scale = res["weight_scale"]
+        return Grid(nm.e8m0_to_f32(scale), BLOCK, self.elem, scale_bytes=scale), self._codes(res["weight"])
+
     def encode(self, codes, grid, matmul):
         return {"weight": self._pack(codes.astype(np.uint8)), "weight_scale": np.ascontiguousarray(grid.scale_bytes)}
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
-        w = _u16(w_u16)
+        w = bf16_bits(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = getattr(load_kernels(), self.kernel)(w, res["weight"], res["weight_scale"])
         if bad >= 0:
-            _raise_nonfinite(w, bad)
+            raise_nonfinite_bf16(w, bad)
         return res
 
     def dequantize(self, tensors):
@@ -74,6 +85,7 @@ class W4A8MXFP(_MX):
 
     elem = "e2m1"
     _pack = staticmethod(nm.pack_nibbles_along_k)
+    _codes = staticmethod(nm.unpack_nibbles_along_k)
     kernel = "mxfp4_kernel"
     # compressed-tensors' mxfp4-pack-quantized stores the same E2M1 nibbles in the same order and the
     # same E8M0 bytes: its experts are this scheme's output byte for byte

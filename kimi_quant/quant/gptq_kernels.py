@@ -1,0 +1,198 @@
+"""numba kernels of the calibrated path (``gptq``): the inside of one GPTQ lazy block and an in-place
+flip, on the transposed weight (a block of columns is a block of contiguous rows).
+
+They repeat the float32 operations of ``gptq.gptq_codes``'s torch loop (the reference) element for
+element, without fastmath (no fused multiply-add, no reordering), so the codes come out identical.
+Output rows are independent in GPTQ, so the work is tiled over them (``TILE``): a tile of the block
+stays in the core's cache while every column of the block is processed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .numerics import E2M1_VALUES, E4M3_MAX
+
+KIND_INT, KIND_E2M1, KIND_E4M3 = 0, 1, 2
+#: output rows per tile: B x TILE x 4 B (128 x 512: 256 KiB) of the block stays in L2
+TILE = 512
+
+
+@njit(cache=True)
+def _e4m3_round(y):
+    """float32 y in [0, 448] -> (float8_e4m3fn byte without sign, its value as float32): round half to
+    even on 3 mantissa bits (multiples of 2^-9 below 2^-6), as torch's cast and ``numerics.e4m3_round``."""
+    if y < np.float32(2.0**-6):
+        m = np.rint(np.float64(y) * 512.0)
+        return np.int16(m), np.float32(m * 2.0**-9)
+    e = math.frexp(np.float64(y))[1] - 1  # floor(log2 y)
+    q = math.ldexp(1.0, e - 3)
+    r = min(np.rint(np.float64(y) / q) * q, E4M3_MAX)  # exact: y / q is a power-of-two scaling
+    fr, e2 = math.frexp(r)
+    b = ((e2 - 1 + 7) << 3) | (np.int64(fr * 16.0) - 8)
+    return np.int16(b), np.float32(r)
+
+
+@njit(cache=True)
+def gptq_block(WT, ST, U1, kind, qmin, qmax, CT, ET, sq):
+    """GPTQ over one lazy block. WT float32 [B, N]: the block's weights, already updated by earlier
+    blocks (overwritten); ST float32 [B, N]: their scales; U1 float32 [B, B]: the block of the upper
+    Cholesky factor of H^-1.  Column i (row i here): code c and value v on the grid (int: c = clip(rint(w
+    / s), qmin, qmax), v = c s; e2m1 / e4m3: sign-magnitude MX codes of |w| / s, v = +-magnitude x s),
+    e = (w - v) / U1[i, i], then w_j -= e U1[i, j] for the later columns j.  Writes the codes to CT
+    (int16 [B, N]), the errors e to ET (float32 [B, N]) and adds e^2 to sq (float64 [N]): with
+    H^-1 = U^T U, sum_k e_k^2 is the row's (w - q) H (w - q)^T on the H that U came from."""
+    B, N = WT.shape
+    e2m1 = E2M1_VALUES
+    for t0 in range(0, N, TILE):
+        t1 = min(t0 + TILE, N)
+        T = t1 - t0
+        sqt = sq[t0:t1]
+        for i in range(B):  # slices of the tile: plain loops over 0..T that LLVM vectorizes
+            wi = WT[i, t0:t1]
+            si = ST[i, t0:t1]
+            ci = CT[i, t0:t1]
+            ei = ET[i, t0:t1]
+            d = U1[i, i]
+            if kind == KIND_INT:
+                for n in range(T):
+                    x = wi[n]
+                    s = si[n]
+                    c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
+                    ci[n] = np.int16(c)
+                    ei[n] = np.float32(np.float32(x - np.float32(c * s)) / d)
+            elif kind == KIND_E2M1:
+                for n in range(T):
+                    x = wi[n]
+                    s = si[n]
+                    y = np.float32(abs(x) / s)
+                    m = ((y > np.float32(0.25)) + (y >= np.float32(0.75)) + (y > np.float32(1.25))
+                         + (y >= np.float32(1.75)) + (y > np.float32(2.5)) + (y >= np.float32(3.5))
+                         + (y > np.float32(5.0)))
+                    mag = e2m1[m]
+                    neg = x < 0
+                    ci[n] = np.int16(m | (8 if neg and m > 0 else 0))
+                    v = np.float32((-mag if neg else mag) * s)
+                    ei[n] = np.float32(np.float32(x - v) / d)
+            else:
+                for n in range(T):
+                    x = wi[n]
+                    s = si[n]
+                    y = min(np.float32(abs(x) / s), np.float32(E4M3_MAX))
+                    b, mag = _e4m3_round(y)
+                    neg = x < 0
+                    ci[n] = b | (128 if neg and b > 0 else 0)
+                    v = np.float32((-mag if neg else mag) * s)
+                    ei[n] = np.float32(np.float32(x - v) / d)
+            for n in range(T):
+                sqt[n] += np.float64(ei[n]) * np.float64(ei[n])
+            for j in range(i + 1, B):
+                u = U1[i, j]
+                wj = WT[j, t0:t1]
+                for n in range(T):
+                    wj[n] = np.float32(wj[n] - np.float32(ei[n] * u))
+
+
+@njit(cache=True)
+def flip_in_place(A):
+    """A[i, j] <- A[K-1-i, K-1-j] for a square matrix, without a second K x K buffer."""
+    K = A.shape[0]
+    for i in range((K + 1) // 2):
+        r = K - 1 - i
+        if i == r:
+            for j in range(K // 2):
+                a = A[i, j]
+                A[i, j] = A[i, K - 1 - j]
+                A[i, K - 1 - j] = a
+            continue
+        for j in range(K):
+            a = A[i, j]
+            A[i, j] = A[r, K - 1 - j]
+            A[r, K - 1 - j] = a
+
+
+@njit(cache=True)
+def permute_symmetric(H, order, out):
+    """out[a, b] = (H[o_a, o_b] + H[o_b, o_a]) / 2 in float64 (o = order), cast to out's dtype: the
+    permuted symmetric part of H, gathered row by row and averaged in 64 x 64 tiles (cache friendly)."""
+    K = len(order)
+    for a in range(K):
+        src = H[order[a]]
+        dst = out[a]
+        for b in range(K):
+            dst[b] = src[order[b]]
+    t = 64
+    for a0 in range(0, K, t):
+        for b0 in range(a0, K, t):
+            for a in range(a0, min(a0 + t, K)):
+                for b in range(max(b0, a), min(b0 + t, K)):
+                    v = (np.float64(out[a, b]) + np.float64(out[b, a])) * 0.5
+                    out[a, b] = v
+                    out[b, a] = v
+
+
+@njit(cache=True)
+def gather_transposed(w, order, out):
+    """out[k, n] = w[n, order[k]] (a transpose with the columns permuted): each row is permuted in
+    cache, then 64 x 64 tiles are transposed."""
+    N, K = w.shape
+    t = 64
+    tmp = np.empty((t, K), dtype=w.dtype)
+    for n0 in range(0, N, t):
+        n1 = min(n0 + t, N)
+        for n in range(n0, n1):
+            row = w[n]
+            dst = tmp[n - n0]
+            for k in range(K):
+                dst[k] = row[order[k]]
+        for k0 in range(0, K, t):
+            for k in range(k0, min(k0 + t, K)):
+                o = out[k]
+                for n in range(n0, n1):
+                    o[n] = tmp[n - n0, k]
+
+
+@njit(cache=True)
+def scatter_transposed(CT, order, out):
+    """out[n, order[k]] = CT[k, n]: the inverse of ``gather_transposed`` (tiles transposed, then each
+    row scattered in cache)."""
+    K, N = CT.shape
+    t = 64
+    tmp = np.empty((t, K), dtype=CT.dtype)
+    for n0 in range(0, N, t):
+        n1 = min(n0 + t, N)
+        for k0 in range(0, K, t):
+            for k in range(k0, min(k0 + t, K)):
+                c = CT[k]
+                for n in range(n0, n1):
+                    tmp[n - n0, k] = c[n]
+        for n in range(n0, n1):
+            src = tmp[n - n0]
+            row = out[n]
+            for k in range(K):
+                row[order[k]] = src[k]
+
+
+@njit(cache=True)
+def plain_errors(w, scale, qmin, qmax, r, d_out):
+    """Plain rounding of rows ``w`` [N, K] on per-row scales ``scale`` [N]: d_out = w - clip(rint(w / s),
+    qmin, qmax) s (float32, as ``gptq.values_of`` of those codes), and per row sum_k d_k^2 r_k in
+    float64 (r float32 [K]) -> [N]."""
+    N, K = w.shape
+    out = np.zeros(N)
+    for n in range(N):
+        s = scale[n]
+        row = w[n]
+        d = d_out[n]
+        acc = 0.0
+        for k in range(K):
+            x = row[k]
+            c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
+            e = np.float32(x - np.float32(c * s))
+            d[k] = e
+            acc += np.float64(np.float32(e * e)) * np.float64(r[k])
+        out[n] = acc
+    return out
