@@ -332,3 +332,15 @@ def test_bf16_decoding_is_exact_for_every_byte_under_every_scale():
         for rows in (normal, slice(None)):
             np.testing.assert_array_equal(decode_mxfp4_bf16(codes[rows], scales[rows]),
                                           f32_to_bf16(decode_mxfp4(codes[rows], scales[rows])))
+
+
+def test_calibrated_a3_from_the_release_equals_it_from_the_decoding(released, decoded, tmp_path):
+    """--calibrate reads the release through the same exact decoding: the forward, the Hessians and GPTQ
+    see the same values, so the bytes are those of a calibrated run from the BF16 decoding."""
+    opts = ("-t", "a3", "--calibrate", "--calib-tokens", "512")
+    _convert(released, tmp_path / "a", *opts)
+    _convert(decoded, tmp_path / "b", *opts)
+    a, b = _tensors(tmp_path / "a", "quant_model_weights"), _tensors(tmp_path / "b", "quant_model_weights")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
