@@ -1,17 +1,22 @@
-"""``kimi-quant publish DIR --repo-id ORG/NAME [--private] [--revision BRANCH] [--force]`` (registered by kimi_quant.cli)."""
+"""``kimi-quant publish DIR --push-to-hub ORG/NAME [--private] [--hub-revision BRANCH] [--force]`` (registered by kimi_quant.cli)."""
 
 from __future__ import annotations
 
 import click
 
+from ..options import old_name, takes_old_name
+
 
 @click.command("publish", short_help="Upload a verified output with a model card.")
 @click.argument("output", type=click.Path(file_okay=False, path_type=str))
-@click.option("--repo-id", required=True, metavar="ORG/NAME", help="Hub repo to create (if needed) and upload to.")
+@click.option("--push-to-hub", "repo_id", metavar="ORG/NAME", callback=takes_old_name,
+              help="Hub repo to create (if needed) and upload to.  [required]")
+@old_name("--repo-id", "repo_id", "--push-to-hub")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
-@click.option("--revision", "branch", default=None, metavar="BRANCH",
-              help="Upload to this branch (created from main if missing), as huggingface-cli's --revision.")
-@click.option("--branch", "branch", default=None, hidden=True, help="Old name of --revision.")
+@click.option("--hub-revision", "branch", default=None, metavar="BRANCH", callback=takes_old_name,
+              help="Upload to this branch (created from main if missing).")
+@old_name("--revision", "branch", "--hub-revision")
+@old_name("--branch", "branch", "--hub-revision")
 @click.option("--force", is_flag=True, help="Publish even though the output's validation failed (--max-ppl-increase); "
                                             "the card shows the numbers.")
 @click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token with write access.")
@@ -25,6 +30,9 @@ def publish(output, repo_id, private, branch, token, message, no_card, force):
     deleted in the same single commit (dot-files such as .gitattributes are kept).
     """
     from .publish import publish as do_publish
+
+    if not repo_id:  # not click's required=True: an old spelling may give it
+        raise click.UsageError("Missing option '--push-to-hub'.")
 
     res = do_publish(output, repo_id, private=private, branch=branch, token=token, commit_message=message,
                      card=not no_card, echo=lambda m: click.echo(m, err=True), force=force)
