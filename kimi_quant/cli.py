@@ -316,7 +316,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     The time comes from this machine's codec rates, measured once (about a second) and stored in
     the kimi-quant cache (KIMI_QUANT_CACHE); --remeasure takes them again.
 
-    With --calibrate (and --calib-tokens), also the time and memory a calibrated conversion needs,
+    With --calibrate (and --tokens), also the time and memory a calibrated conversion needs,
     from GPTQ and matmul speeds measured here (a few seconds) and the model's shapes.
     """
     from .convert import build_plan
@@ -513,8 +513,8 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 @_calibrate_options
 def convert(source, target, recipe, overrides, max_shard_size, revision, group_size, output, workers, executor,
             ray_address, overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs,
-            quiet, hub_revision=None, calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None, device="cpu",
-            min_expert_tokens=None):
+            quiet, hub_revision=None, calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None,
+            device="cpu", min_expert_tokens=None):
     """Convert SOURCE (a local directory or a hub repo id) for a device family.
 
     Re-running the same command after an interruption resumes: completed output shards are

@@ -3,12 +3,11 @@ for one release (they must set what the new name sets)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import click
 import pytest
+from conftest import kq
 
 from kimi_quant.cli import main
 
@@ -103,7 +102,8 @@ def test_every_option_has_one_meaning_and_every_meaning_one_name():
     unknown = sorted(set(found) - set(OPTIONS))
     assert not unknown, f"options missing from the table (give each a meaning no other name has): {unknown}"
     for name, commands in found.items():
-        assert commands == OPTIONS[name][1], f"{name} is on {sorted(commands)}, the table says {sorted(OPTIONS[name][1])}"
+        want = OPTIONS[name][1]
+        assert commands == want, f"{name} is on {sorted(commands)}, the table says {sorted(want)}"
     meanings = [m for m, _ in OPTIONS.values()]
     assert len(meanings) == len(set(meanings)), "two names for one meaning"
     assert not set(OPTIONS) - set(found), f"table rows without an option: {sorted(set(OPTIONS) - set(found))}"
@@ -135,12 +135,6 @@ def test_old_spelling_is_hidden_and_sets_what_the_new_one_sets(old, command, new
             assert ctx.params == want, (argv, ctx.params, want)
     with cmd.make_context(command, list(base)) as ctx:
         assert ctx.params != want  # the value did make a difference
-
-
-def kq(*args):
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "kimi_quant.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, timeout=120)
 
 
 @pytest.mark.parametrize("extra,line", [
