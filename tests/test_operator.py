@@ -400,12 +400,15 @@ def test_default_work_dir_follows_the_cache_variables(monkeypatch, tmp_path):
     assert default_work_dir("org/name") == tmp_path / "kq" / "hub" / "org--name"
 
 
-def test_publish_revision_and_hidden_branch(tmp_path):
+def test_publish_hub_revision_and_hidden_old_names(tmp_path):
     r = kq("publish", "--help")
-    assert "--revision" in r.stdout and "--branch" not in r.stdout and "--force" in r.stdout
-    for flag in ("--revision", "--branch"):  # the old name still works
-        line = error_line(kq("publish", tmp_path / "none", "--repo-id", "a/b", flag, "x").stderr)
-        assert "not a directory" in line
+    assert "--hub-revision" in r.stdout and "--push-to-hub" in r.stdout and "--force" in r.stdout
+    assert not re.search(r"--branch|--repo-id|(?<!hub)-revision", r.stdout)
+    for flag in ("--hub-revision", "--revision", "--branch"):  # the old names still work
+        for repo in ("--push-to-hub", "--repo-id"):
+            line = error_line(kq("publish", tmp_path / "none", repo, "a/b", flag, "x").stderr)
+            assert "not a directory" in line
+    assert "Missing option '--push-to-hub'" in kq("publish", tmp_path / "none").stderr
 
 
 # -- 8. a bench checkpoint can be validated; the repo's hygiene -------------------------------------------
