@@ -23,7 +23,7 @@ from . import __version__
 from .errors import KimiQuantError, ValidationFailed
 from .executor.fork_server import default_workers, fork_workers_here, start_fork_server
 from .options import old_name, takes_old_name
-from .progress import fmt_duration
+from .progress import fmt_duration, fmt_size
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -61,7 +61,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _gb(n: int | float) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return fmt_size(n)
 
 
 def _rate(n: int, seconds: float) -> str:
