@@ -721,6 +721,10 @@ def demo(ctx, output, do_validate):
                    overwrite=False, work_dir=None, max_disk=None, keep_source=False, do_validate=do_validate, max_ppl_increase=None,
                    push_to=None, hash_inputs=False, quiet=False)
         ctx.invoke(verify, output=str(dest), no_rehash=False, json_path=None, quiet=False)
+    click.echo(f"\nthe demo's checkpoints are in {out}: {src.name} (the source), tiny-a3 and tiny-950dt, each with its "
+               "model card (README.md)")
+    click.echo("next: kimi-quant plan SOURCE --target 950dt sizes a conversion of your own checkpoint (a local "
+               "directory or a hub repo id)")
 
 
 def _register_optional_commands() -> None:
