@@ -22,7 +22,8 @@ import click
 from . import __version__
 from .errors import KimiQuantError, ValidationFailed
 from .executor.fork_server import default_workers, fork_workers_here, start_fork_server
-from .progress import fmt_duration
+from .options import old_name, takes_old_name
+from .progress import fmt_duration, fmt_size
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -60,7 +61,7 @@ def _count(n: int, noun: str) -> str:
 
 
 def _gb(n: int | float) -> str:
-    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    return fmt_size(n)
 
 
 def _rate(n: int, seconds: float) -> str:
@@ -227,11 +228,14 @@ def _calibrate_options(f):
         click.option("--calibrate", is_flag=True,
                      help="Activation-aware quantization (GPTQ): run the BF16 model layer by layer over calibration "
                           "text and quantize each Linear against its input Hessian. Same output format."),
-        click.option("--calibration", metavar="FILE|NAME", default=None,
-                     help=f"With --calibrate: jsonl ('text' field), txt or parquet file, or builtin:train / "
-                          f"builtin:heldout [default: {DEFAULT_TEXT}]."),
-        click.option("--calib-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+        click.option("--calibration-data", "calibration", metavar="FILE|NAME", default=None, callback=takes_old_name,
+                     help=f"With --calibrate: GPTQ's text, a jsonl ('text' field), txt or parquet file, or "
+                          f"builtin:train / builtin:heldout [default: {DEFAULT_TEXT}]."),
+        old_name("--calibration", "calibration", "--calibration-data"),
+        click.option("--tokens", "calib_tokens", type=click.IntRange(min=1), default=None, metavar="N",
+                     callback=takes_old_name,
                      help=f"With --calibrate: tokens of calibration text [default: {DEFAULT_TOKENS}]."),
+        old_name("--calib-tokens", "calib_tokens", "--tokens", type=click.IntRange(min=1)),
         click.option("--act-order/--no-act-order", "act_order", default=None,
                      help="With --calibrate: GPTQ columns in order of decreasing Hessian diagonal [default: the "
                           "codecs' measured default]."),
@@ -252,7 +256,7 @@ def _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
     """A CalibConfig for --calibrate (None without it; calibration options without it are refused)."""
     from .calibrate import CalibConfig
 
-    given = [n for n, v in (("--calibration", calibration), ("--calib-tokens", calib_tokens),
+    given = [n for n, v in (("--calibration-data", calibration), ("--tokens", calib_tokens),
                             ("--act-order/--no-act-order", act_order), ("--damp", damp),
                             ("--min-expert-tokens", min_expert_tokens)) if v is not None]
     if device != "cpu":
@@ -306,15 +310,16 @@ def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=
 @click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True),
               help="Hub sources: the download link in GB/s; the time is then the longer of converting and "
                    "downloading (with many workers, or Ray nodes, the link is the limit).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False),
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write the plan as JSON, with the estimates under 'totals'.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing (with --json: only the file).")
 @click.option("--shards/--no-shards", "show_shards", default=False, help="List the output shards and their inputs.")
 @click.option("--verbose", "-v", is_flag=True, help="Scheme table and the shard list as well.")
 @click.option("--remeasure", is_flag=True, help="Measure this machine's codec rates again (else the stored ones).")
 @_calibrate_options
 def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, work_dir, max_disk,
-         link_gbps, json_path, show_shards, verbose, remeasure, calibrate=False, calibration=None, calib_tokens=None,
-         act_order=None, damp=None, device="cpu", min_expert_tokens=None):
+         link_gbps, json_path, show_shards, verbose, remeasure, quiet=False, calibrate=False, calibration=None,
+         calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None):
     """Size a conversion before running it, from headers only (no tensor data is read): output size,
     disk needed, peak memory and wall time for the given --workers/--executor, model_quant_type, and
     (-v) the scheme of every tensor group and the output shards.
@@ -322,12 +327,14 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     The time comes from this machine's codec rates, measured once (about a second) and stored in
     the kimi-quant cache (KIMI_QUANT_CACHE); --remeasure takes them again.
 
-    With --calibrate (and --calib-tokens), also the time and memory a calibrated conversion needs,
+    With --calibrate (and --tokens), also the time and memory a calibrated conversion needs,
     from GPTQ and matmul speeds measured here (a few seconds) and the model's shapes.
     """
     from .convert import build_plan
     from .estimate import load_rates, size_job
 
+    if quiet and (verbose or show_shards):
+        raise KimiQuantError(f"--quiet prints nothing: drop it or {'--verbose' if verbose else '--shards'}")
     cal = _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens)
     _staging_options_for(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not _local_source(source)
@@ -377,6 +384,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
             write_atomic(json_path, json.dumps(d, indent=1).encode())
         except OSError as e:
             raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
+    if quiet:
+        return
     for line in [*plan_summary(p, job, work_dir=src.work_dir if hub else None), *cal_lines]:
         click.echo(line)
     if verbose or show_shards:
@@ -502,7 +511,11 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 @click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
               help="With --validate: fail (exit code 3) if quantized perplexity exceeds BF16 by more than PCT "
                    "percent.")
-@click.option("--push-to", metavar="ORG/NAME", help="Publish the verified output to this hub repo.")
+@click.option("--push-to-hub", "push_to", metavar="ORG/NAME", callback=takes_old_name,
+              help="Publish the verified output to this hub repo (as `kimi-quant publish --push-to-hub`).")
+@old_name("--push-to", "push_to", "--push-to-hub")
+@click.option("--hub-revision", metavar="BRANCH", default=None,
+              help="With --push-to-hub: upload to this branch (created from main if missing).")
 @click.option("--hash-inputs/--no-hash-inputs", default=False, show_default=True,
               help="sha256 every local source shard for the provenance: about as much CPU as the conversion "
                    "itself (~0.55 core-s per GB). Without it the provenance has the sha256 only where a hub "
@@ -511,8 +524,8 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 @_calibrate_options
 def convert(source, target, recipe, overrides, max_shard_size, revision, group_size, output, workers, executor,
             ray_address, overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs,
-            quiet, calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None, device="cpu",
-            min_expert_tokens=None):
+            quiet, hub_revision=None, calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None,
+            device="cpu", min_expert_tokens=None):
     """Convert SOURCE (a local directory or a hub repo id) for a device family.
 
     Re-running the same command after an interruption resumes: completed output shards are
@@ -532,6 +545,10 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
 
         resolve_target(target)
         _staging_options_for(source, revision, work_dir, max_disk, keep_source)
+        if max_ppl_increase is not None and not do_validate:
+            raise KimiQuantError("--max-ppl-increase applies only with --validate")
+        if hub_revision is not None and not push_to:
+            raise KimiQuantError("--hub-revision applies only with --push-to-hub")
         if do_validate and not Path(source).expanduser().is_dir():
             raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                                  "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
@@ -594,7 +611,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     if push_to:
         from .publish import publish as run_publish
 
-        run_publish(res.out_dir, push_to, echo=lambda m: click.echo(m, err=True))
+        run_publish(res.out_dir, push_to, branch=hub_revision, echo=lambda m: click.echo(m, err=True))
 
 
 def _validate_after(source, out_dir, max_ppl_increase, quiet):
@@ -616,7 +633,11 @@ def _validate_after(source, out_dir, max_ppl_increase, quiet):
 @main.command(short_help="Check an output: hashes, index, description, shapes, validation.")
 @click.argument("output", type=click.Path(file_okay=False))
 @click.option("--no-rehash", is_flag=True, help="Skip re-hashing shards (sizes and headers are still checked).")
-def verify(output, no_rehash):
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Also write the result as JSON here (shards, tensors, bytes, model_quant_type, validation).")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing: the exit code says it (0 ok, 2 damaged, 3 failed "
+                                                   "validation).")
+def verify(output, no_rehash, json_path=None, quiet=False):
     """Check an output directory: shards against the journal, index, description, shapes.
 
     Exit code 2 when the output is damaged or incomplete, 3 when it is intact but its recorded
@@ -625,14 +646,24 @@ def verify(output, no_rehash):
 
     from .validate.gate import failed_validation
 
-    r = verify_output(output, rehash=not no_rehash, quiet=False)
-    click.echo(f"ok: {_count(r['shards'], 'shard')}, {r['tensors']} tensors, {_gb(r['bytes'])}, "
-               f"model_quant_type {r['model_quant_type']}")
-    click.echo(f"    {r['model_quant_type_meaning']}")
+    r = verify_output(output, rehash=not no_rehash, quiet=quiet)
+    if json_path:
+        from .write import write_atomic
+
+        try:
+            write_atomic(json_path, json.dumps(r, indent=1, default=str).encode())
+        except OSError as e:
+            raise KimiQuantError(f"{json_path}: cannot write the result ({e.strerror or e})") from None
     v = r.get("validation")
     failed = failed_validation(v)
+    if not quiet:
+        click.echo(f"ok: {_count(r['shards'], 'shard')}, {r['tensors']} tensors, {_gb(r['bytes'])}, "
+                   f"model_quant_type {r['model_quant_type']}")
+        click.echo(f"    {r['model_quant_type_meaning']}")
     if failed:
         raise ValidationFailed(f"{output}: {failed} (publish refuses it unless --force)")
+    if quiet:
+        return
     if isinstance(v, dict) and all(isinstance(v.get(k), (int, float)) for k in ("ratio", "ppl_bf16", "ppl_quant")):
         bound = f", bound {v['max_ppl_increase_pct']}%" if v.get("max_ppl_increase_pct") is not None else ", no bound"
         click.echo(f"validated: perplexity {(v['ratio'] - 1) * 100:+.2f}% vs BF16 ({v['ppl_bf16']:.4f} -> "
@@ -703,8 +734,10 @@ def demo(ctx, output, do_validate):
         run_synth("tiny", released, overwrite=True, experts="mxfp4")
     click.echo(f"\nsource: {released} (the same model as Kimi K3 is published: MXFP4 routed experts)")
     _demo_convert(ctx, released, out / "tiny-released-950dt", "950dt", do_validate)
-    click.echo(f"\noutputs in {out}/: tiny-a3, tiny-950dt, tiny-released-950dt (each with its README.md model card)."
-               f"\nnext: kimi-quant plan SOURCE --target 950dt, for your checkpoint (a local directory or a hub id)")
+    click.echo(f"\nthe demo's checkpoints are in {out}: {src.name} and {released.name} (the sources), tiny-a3, "
+               "tiny-950dt and tiny-released-950dt, each with its model card (README.md)")
+    click.echo("next: kimi-quant plan SOURCE --target 950dt sizes a conversion of your own checkpoint (a local "
+               "directory or a hub repo id)")
 
 
 def _demo_convert(ctx, src: Path, dest: Path, target: str, do_validate: bool) -> None:
@@ -713,7 +746,7 @@ def _demo_convert(ctx, src: Path, dest: Path, target: str, do_validate: bool) ->
                revision=None, group_size=None, output=str(dest), workers=None, executor="local", ray_address=None,
                overwrite=False, work_dir=None, max_disk=None, keep_source=False, do_validate=do_validate,
                max_ppl_increase=None, push_to=None, hash_inputs=False, quiet=False)
-    ctx.invoke(verify, output=str(dest), no_rehash=False)
+    ctx.invoke(verify, output=str(dest), no_rehash=False, json_path=None, quiet=False)
 
 
 def _register_optional_commands() -> None:

@@ -28,6 +28,11 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def fmt_size(n: float) -> str:
+    """3.11 MB, 1517.830 GB: the precision the CLI's summaries and the model card give sizes in."""
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
 def fmt_duration(s: float) -> str:
     """3 s, 4 min, 2 h 05 min, 3 d 04 h: as precise as an estimate deserves."""
     s = max(0.0, s)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Is ``convert --calibrate`` worse than data-free on the tiny K3.1 fixture, or is that noise?
 
-Converts the synthetic tiny fixture (``model.synth``) data-free and calibrated (GPTQ, --calib-tokens
+Converts the synthetic tiny fixture (``model.synth``) data-free and calibrated (GPTQ, --tokens
 2048 of builtin:train, as tests/test_calibrate.py) for one target, then scores BF16, data-free and
 calibrated side by side on the validate text (builtin:heldout), one 512-token window at a time.  Prints
 both perplexity ratios for the first --tokens (what ``validate`` reports by default: 4096) and for all

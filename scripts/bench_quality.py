@@ -29,7 +29,7 @@ its geometric mean over the 210 tensors, and for our data-free rules the number 
 it is larger than under the plain rule it replaces.  Weight MSE (relative) is printed beside it
 as a diagnostic only: it is not what decides.
 
-    python scripts/bench_quality.py                 # the README table (~10-15 min on 2 cores)
+    python scripts/bench_quality.py                 # the table in docs/quality.md (~10-15 min on 2 cores)
     python scripts/bench_quality.py --quick         # short run (tests/test_quality_real_model.py)
     python scripts/bench_quality.py --schemes float,W4A8_DYNAMIC --per-tensor out.csv
 

@@ -401,12 +401,15 @@ def test_default_work_dir_follows_the_cache_variables(monkeypatch, tmp_path):
     assert default_work_dir("org/name") == tmp_path / "kq" / "hub" / "org--name"
 
 
-def test_publish_revision_and_hidden_branch(tmp_path):
+def test_publish_hub_revision_and_hidden_old_names(tmp_path):
     r = kq("publish", "--help")
-    assert "--revision" in r.stdout and "--branch" not in r.stdout and "--force" in r.stdout
-    for flag in ("--revision", "--branch"):  # the old name still works
-        line = error_line(kq("publish", tmp_path / "none", "--repo-id", "a/b", flag, "x").stderr)
-        assert "not a directory" in line
+    assert "--hub-revision" in r.stdout and "--push-to-hub" in r.stdout and "--force" in r.stdout
+    assert not re.search(r"--branch|--repo-id|(?<!hub)-revision", r.stdout)
+    for flag in ("--hub-revision", "--revision", "--branch"):  # the old names still work
+        for repo in ("--push-to-hub", "--repo-id"):
+            line = error_line(kq("publish", tmp_path / "none", repo, "a/b", flag, "x").stderr)
+            assert "not a directory" in line
+    assert "Missing option '--push-to-hub'" in kq("publish", tmp_path / "none").stderr
 
 
 # -- 8. a bench checkpoint can be validated; the repo's hygiene -------------------------------------------
@@ -424,8 +427,8 @@ def test_bench_checkpoint_has_a_tokenizer_within_its_vocabulary(tmp_path):
 def test_demo_output_is_ignored_by_git():
     root = Path(__file__).resolve().parents[1]
     assert "/kimi-quant-demo/" in (root / ".gitignore").read_text().splitlines()
-    readme = (root / "README.md").read_text()
-    assert "install_olah.sh" in readme and "cos_min" in readme and "KIMI_QUANT_CACHE" in readme
+    manual = "\n".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    assert "install_olah.sh" in manual and "cos_min" in manual and "KIMI_QUANT_CACHE" in manual
 
 
 def test_stored_rates_are_remeasured_when_the_measured_code_changes(tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP, packed_words
-from ..progress import fmt_bytes
+from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP, model_quant_type_meaning, packed_words
+from ..progress import fmt_bytes, fmt_size
 from .ascend_v1 import DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION
 
 CARD = "README.md"
@@ -44,6 +44,44 @@ def is_ours(path: Path) -> bool:
 
 def _is_repo_id(source: str) -> bool:
     return "/" in source and not source.startswith(("/", ".", "~")) and source.count("/") == 1
+
+
+def _shown_source(source: str) -> str:
+    """A hub repo id as it is; a local directory by its name only (its path says nothing to a hub reader)."""
+    return source if _is_repo_id(source) else source.rstrip("/").split("/")[-1] or source
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def source_card_front_matter(text: str) -> dict[str, str]:
+    """The top-level ``key: value`` lines of a card's YAML front matter (what the hub shows: license, ...)."""
+    lines = text.splitlines()
+    if not lines or lines[0].strip() != "---":
+        return {}
+    found = {}
+    for line in lines[1:200]:
+        if line.strip() == "---":
+            return found
+        if ":" in line and not line.startswith((" ", "-", "#")):
+            key, value = line.split(":", 1)
+            if value.strip():
+                found[key.strip()] = value.strip()
+    return {}  # no closing line: not front matter
+
+
+def tensors_per_scheme(desc: dict, weight_map: dict) -> dict[str, int]:
+    """Tensors per scheme as ``plan`` and ``convert`` count them: one per source tensor (a quantized weight
+    with its scales and offsets is one; the description's layer-level expert entries are not tensors)."""
+    counts: dict[str, int] = {}
+    for name, scheme in desc.items():
+        if not isinstance(scheme, str) or name not in weight_map:
+            continue
+        if scheme != "FLOAT" and not name.endswith(".weight"):
+            continue  # weight_scale, weight_offset, scale_bias, ...: parts of the quantized weight
+        counts[scheme] = counts.get(scheme, 0) + 1
+    return counts
 
 
 def validation_lines(prov: dict, report: dict | None) -> list[str]:
@@ -98,38 +136,51 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
     recipe_name = recipe.get("name") if isinstance(recipe, dict) else recipe
     recipe_sha = recipe.get("sha256") if isinstance(recipe, dict) else None
     shards = sorted(set((index.get("weight_map") or {}).values()))
-    weights_bytes = sum((output_dir / s).stat().st_size for s in shards if (output_dir / s).exists())
+    # the tensors' bytes, as plan and convert count them (the shard files add their headers)
+    tensor_bytes = (index.get("metadata") or {}).get("total_size")
+    if not isinstance(tensor_bytes, int):
+        tensor_bytes = sum((output_dir / s).stat().st_size for s in shards if (output_dir / s).exists())
     inputs = prov.get("inputs") or {}
     in_bytes = sum(int(v.get("size", 0)) for v in inputs.values() if isinstance(v, dict))
     hashed = sum(1 for v in inputs.values() if isinstance(v, dict) and v.get("sha256"))
-    types: dict[str, int] = {}
-    for k, v in desc.items():
-        if isinstance(v, str) and k not in ("version", "model_quant_type"):
-            types[v] = types.get(v, 0) + 1
+    types = tensors_per_scheme(desc, index.get("weight_map") or {})
     base_model = source if _is_repo_id(source) else None
-    # not the output directory's name: the output's bytes are a function of the source and options alone
-    title = repo_id.split("/")[-1] if repo_id else f"{source.rstrip('/').split('/')[-1]}, ascendV1 for {target}"
+    shown = _shown_source(source)
+    quant_type = str(desc.get("model_quant_type", "?"))
+    # the source model's name, not the output directory's: the output's bytes are a function of the source
+    # and options alone
+    title = f"{shown.split('/')[-1]} for {device} ({scheme.split(':')[0]})"
+    source_meta = {}
+    if (output_dir / SOURCE_README).exists():
+        try:
+            source_meta = source_card_front_matter((output_dir / SOURCE_README).read_text(errors="replace"))
+        except OSError:
+            source_meta = {}
 
-    lines = ["---", "library_name: vllm", "tags:", "- ascend", "- quantized", "- ascendV1",
-             f"- {desc.get('model_quant_type', 'quantized').lower()}"]
+    lines = ["---"]
     if base_model:
         lines += [f"base_model: {base_model}", "base_model_relation: quantized"]
+    lines += [f"{k}: {source_meta[k]}" for k in ("license", "license_name", "license_link") if k in source_meta]
+    lines += ["library_name: vllm", f"pipeline_tag: {source_meta.get('pipeline_tag', 'text-generation')}", "tags:",
+              "- ascend", "- quantized", "- ascendV1", f"- {quant_type.lower()}", "- kimi-quant"]
     lines += ["---", MARKER, "", f"# {title}", "",
-              f"**{source}**" + (f" @ `{revision[:12]}`" if revision else "") +
+              f"**{shown}**" + (f" @ `{revision[:12]}`" if revision else "") +
               f", quantized for **{device}** in Huawei's ascendV1 format ({scheme}) by kimi-quant "
               f"{prov.get('tool_version', '')}.", "",
               "## What was quantized, and how", "",
               "| | |", "|---|---|",
-              f"| Source | `{source}`" + (f" @ `{revision}`" if revision else "") + " |",
+              f"| Source | `{shown}`" + (f" @ `{revision}`" if revision else "") + " |",
               f"| Target | `{target}`: {device} |",
-              f"| Model quant type | `{desc.get('model_quant_type', '?')}` (group size {desc.get('group_size', '?')}) |",
+              f"| Model quant type | `{quant_type}` (group size {desc.get('group_size', '?')}): "
+              f"{model_quant_type_meaning(quant_type, set(types)).split(': ', 1)[-1]} |",
               f"| Recipe | `{recipe_name}`" + (f" (sha256 `{recipe_sha[:16]}`)" if recipe_sha else "") + " |",
-              f"| Weights | {len(shards)} shards, {fmt_bytes(weights_bytes)}" +
-              (f" (source: {fmt_bytes(in_bytes)} in {len(inputs)} shards)" if in_bytes else "") + " |"]
+              f"| Weights | {fmt_size(tensor_bytes)} in {_plural(len(shards), 'shard')}" +
+              (f" (source files: {fmt_bytes(in_bytes)} in {_plural(len(inputs), 'shard')})" if in_bytes else "")
+              + " |"]
     if isinstance(prov.get("source_packing"), dict):
         lines.append(f"| Source experts | {packed_words(prov['source_packing'])} |")
     if types:
-        lines.append("| Tensors by type | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
+        lines.append("| Tensors per scheme | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
     if "W4A8_DYNAMIC" in types:
         g = desc.get("group_size")
         lines.append("| Int4 scales | " + (f"per group of {g} inputs (`--group-size {g}`): weight_scale_second, "
@@ -143,19 +194,21 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
 
     lines.append(f"| Calibration | {describe(prov.get('calibration'))} |")
     if verify_summary:
-        lines.append(f"| Verified | {verify_summary.get('shards')} shards, {verify_summary.get('tensors')} tensors "
-                     "checked against the conversion journal (sha256) |")
+        lines.append(f"| Verified | {_plural(verify_summary.get('shards') or 0, 'shard')} checked against the "
+                     "conversion journal (sha256) |")
     lines += ["", "## Validation (perplexity vs BF16)", "", *validation_lines(prov, report)]
     tp = "16" if target == "a3" else "8"
-    served = repo_id or "ORG/NAME"
+    download = (f"hf download {repo_id} --local-dir ./model" if repo_id else
+                "# once published (kimi-quant publish OUTPUT --push-to-hub ORG/NAME): "
+                "hf download ORG/NAME --local-dir ./model")
     lines += ["", "## Serving with vLLM-Ascend", "",
               "```bash",
-              f"hf download {served} --local-dir ./model",
+              download,
               f"vllm serve ./model --quantization ascend --tensor-parallel-size {tp} --enable-expert-parallel \\",
               "    --trust-remote-code --max-model-len 32768",
               "```", "",
-              "The loader reads `quant_model_description.json` and does the NZ cast, transposes and int4 packing "
-              "views at load time; the files here are plain ND tensors. Adjust parallelism to your cluster.", "",
+              "vLLM-Ascend reads `quant_model_description.json` and arranges the weights for the NPU as it loads "
+              "them: nothing needs converting by hand. Adjust the parallelism to your cluster.", "",
               "## Serving with SGLang", "",
               "```bash",
               "python -m sglang.launch_server --model-path ./model --device npu --quantization modelslim \\",

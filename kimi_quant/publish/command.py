@@ -1,22 +1,27 @@
-"""``kimi-quant publish DIR --repo-id ORG/NAME [--public] [--include PATTERN] [--revision BRANCH] [--force]``
+"""``kimi-quant publish DIR --push-to-hub ORG/NAME [--public] [--include PATTERN] [--hub-revision BRANCH] [--force]``
 (registered by kimi_quant.cli)."""
 
 from __future__ import annotations
 
 import click
 
+from ..options import old_name, takes_old_name
+
 
 @click.command("publish", short_help="Upload a verified output with a model card.")
 @click.argument("output", type=click.Path(file_okay=False, path_type=str))
-@click.option("--repo-id", required=True, metavar="ORG/NAME", help="Hub repo to create (if needed) and upload to.")
+@click.option("--push-to-hub", "repo_id", metavar="ORG/NAME", callback=takes_old_name,
+              help="Hub repo to create (if needed) and upload to.  [required]")
+@old_name("--repo-id", "repo_id", "--push-to-hub")
 @click.option("--private/--public", default=True, show_default="private",
               help="Create the repo private (the default) or public; an existing repo keeps its visibility.")
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
               help="Also upload files matching PATTERN (fnmatch on the path in OUTPUT) that kimi-quant did not "
                    "write; without it only the conversion's own files are uploaded, and the others are named.")
-@click.option("--revision", "branch", default=None, metavar="BRANCH",
-              help="Upload to this branch (created from main if missing), as huggingface-cli's --revision.")
-@click.option("--branch", "branch", default=None, hidden=True, help="Old name of --revision.")
+@click.option("--hub-revision", "branch", default=None, metavar="BRANCH", callback=takes_old_name,
+              help="Upload to this branch (created from main if missing).")
+@old_name("--revision", "branch", "--hub-revision")
+@old_name("--branch", "branch", "--hub-revision")
 @click.option("--force", is_flag=True, help="Publish even though the output's validation failed (--max-ppl-increase); "
                                             "the card shows the numbers.")
 @click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token with write access.")
@@ -33,6 +38,9 @@ def publish(output, repo_id, private, include, branch, token, message, no_card, 
     deleted in the same single commit (dot-files such as .gitattributes are kept).
     """
     from .publish import publish as do_publish
+
+    if not repo_id:  # not click's required=True: an old spelling may give it
+        raise click.UsageError("Missing option '--push-to-hub'.")
 
     res = do_publish(output, repo_id, private=private, branch=branch, token=token, commit_message=message,
                      card=not no_card, echo=lambda m: click.echo(m, err=True), force=force,

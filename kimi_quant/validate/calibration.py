@@ -83,7 +83,7 @@ def load_texts(spec: str | Path | None = None) -> list[str]:
         path = CALIBRATION_DIR / BUILTIN[s]
         if not path.is_file():
             raise KimiQuantError(f"shipped calibration set {path} not found (a checkout without calibration/?); "
-                                 f"pass --calibration FILE")
+                                 f"pass a text file (--eval-data FILE, or --calibration-data FILE with --calibrate)")
         return _jsonl(path)
     path = Path(s)
     if path.is_file():

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..errors import KimiQuantError, ValidationFailed
+from ..options import old_name, takes_old_name
 
 
 class _OneLineError(click.ClickException):
@@ -51,15 +52,18 @@ def _check_source(source: Path, quantized: Path) -> str | None:
 @click.command("validate", short_help="Perplexity and per-layer error of QUANTIZED vs BF16.")
 @click.argument("source", type=click.Path(exists=True, file_okay=False))
 @click.argument("quantized", type=click.Path(exists=True, file_okay=False))
-@click.option("--calibration", "calibration", default=None, metavar="FILE|NAME",
-              help="jsonl ('text' field), txt or parquet file, builtin:heldout (default) / builtin:train, "
-                   "or a hub dataset id (online only).")
-@click.option("--max-tokens", type=int, default=4096, show_default=True, help="Tokens of calibration text to use.")
+@click.option("--eval-data", "calibration", default=None, metavar="FILE|NAME", callback=takes_old_name,
+              help="Text perplexity is measured on: jsonl ('text' field), txt or parquet file, builtin:heldout "
+                   "(default) / builtin:train, or a hub dataset id (online only).")
+@old_name("--calibration", "calibration", "--eval-data")
+@click.option("--tokens", "max_tokens", type=click.IntRange(min=1), default=4096, show_default=True, metavar="N",
+              callback=takes_old_name, help="Tokens of the --eval-data text to score.")
+@old_name("--max-tokens", "max_tokens", "--tokens", type=click.IntRange(min=1))
 @click.option("--seq-len", type=int, default=512, show_default=True, help="Window length (non-overlapping).")
 @click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
               help="Fail (exit code 3) if quantized perplexity exceeds BF16 by more than PCT percent; the "
                    "output is then marked as failing (verify fails, publish refuses it unless --force).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="REPORT",
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
               help="Also write the full report as JSON here (a kimi-quant output always gets its own copy, "
                    "kimi_quant_validation.json).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress on stderr.")

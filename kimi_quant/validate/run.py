@@ -39,7 +39,7 @@ def token_windows(model_dir: str | Path, calibration: str | Path | None, max_tok
     if seq_len < 2:
         raise KimiQuantError(f"--seq-len must be at least 2 (got {seq_len})")
     if max_tokens < 2:
-        raise KimiQuantError(f"--max-tokens must be at least 2 (got {max_tokens})")
+        raise KimiQuantError(f"--tokens must be at least 2 (got {max_tokens})")
     tok = load_tokenizer(model_dir)
     ids: list[int] = []
     for text in load_texts(calibration):
