@@ -57,8 +57,10 @@ OPTIONS = {
     "--sparse": ("headers only", {"synth"}),
     "--experts": ("the experts' source format", {"synth"}),
     "--seq-len": ("window length", {"validate"}),
-    "--private": ("create the hub repo private", {"publish"}),
-    "--force": ("publish a failing output", {"publish"}),
+    "--private": ("create the hub repo private (--public: public)", {"publish"}),
+    "--include": ("also upload files kimi-quant did not write that match a pattern", {"publish"}),
+    "--force": ("go past a check's refusal (publish: a failing output; validate: a source that is not the "
+                "output's, recording nothing)", {"publish", "validate"}),
     "--token": ("hub token", {"publish"}),
     "--message": ("commit message", {"publish"}),
     "--no-card": ("no model card", {"publish"}),

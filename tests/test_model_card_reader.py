@@ -1,5 +1,6 @@
 """The model card as a hub reader sees it: front matter the hub understands (base_model, the source's licence,
-tags, pipeline tag), a title from the source model's name, no local paths, the CLI's counts and sizes."""
+tags, pipeline tag), a title from the source model's name (a local source: its card's title; its path or
+directory name is never recorded), the CLI's counts and sizes."""
 
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ def test_card_reads_like_a_hub_card(tmp_path):
     assert "license: other" in meta and "license_name: modified-mit" in meta  # copied from the source's card
     assert "pipeline_tag: text-generation" in meta and "- kimi-quant" in meta and "- w4a8_mxfp" in meta
     assert not any(m.startswith("base_model") for m in meta)  # a local source is no hub model
-    assert "# Kimi-Tiny for Ascend 950DT (W4A8 MXFP)" in card
-    assert str(tmp_path) not in card and "| Source | `Kimi-Tiny` |" in card
+    assert "# Kimi tiny for Ascend 950DT (W4A8 MXFP)" in card  # the source card's own title
+    assert str(tmp_path) not in card and "Kimi-Tiny" not in card and "| Source | `local checkpoint` |" in card
     assert "| Tensors per scheme | " + ", ".join(f"{s}: {n}" for s, n in sorted(cli_counts.items())) + " |" in card
     assert f"| Weights | {cli_size[1]} in 1 shard (" in card and "1 shards" not in card
     assert "the highest type present (msModelSlim's convention)" in card  # what model quant type means
