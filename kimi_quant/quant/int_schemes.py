@@ -137,17 +137,31 @@ class W8A8Dynamic(Codec):
 
     s = float32(amax / 127) (1.0 for an all-zero row), q = clip(rint(w / s), -127, 127) with
     round-half-to-even; ``weight_offset`` is zeros.
+
+    ``get_codec("W8A8_DYNAMIC").with_pow2_scale()``: the same format with s the smallest power of two that
+    clips nothing (``numerics.int8_pow2_scale``), for weights decoded from MXFP4: every row whose 32-blocks'
+    exponents lie within 3 of its largest is then written exactly (numpy path; the loaders read it unchanged).
     """
 
     name = "W8A8_DYNAMIC"
     rank = 1
+
+    def __init__(self, pow2_scale: bool = False):
+        self.pow2_scale = bool(pow2_scale)
+
+    def with_pow2_scale(self) -> "W8A8Dynamic":
+        """This scheme with power-of-two row scales (same tensors, same loaders)."""
+        global _W8A8_POW2
+        if _W8A8_POW2 is None:
+            _W8A8_POW2 = W8A8Dynamic(pow2_scale=True)
+        return _W8A8_POW2
 
     def out_specs(self, shape, matmul) -> Spec:
         N, K = shape
         return {"weight": ("I8", (N, K)), "weight_scale": ("F32", (N, 1)), "weight_offset": ("F32", (N, 1))}
 
     def data_free_codes(self, w, matmul):
-        q, s = nm.int8_quantize(w)
+        q, s = nm.int8_pow2_quantize(w) if self.pow2_scale else nm.int8_quantize(w)
         return Grid(s[:, None], w.shape[1], "int", -127, 127), q
 
     def encode(self, codes, grid, matmul):
@@ -155,6 +169,8 @@ class W8A8Dynamic(Codec):
                 "weight_offset": np.zeros((codes.shape[0], 1), np.float32)}
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
+        if self.pow2_scale:  # no kernel for this rule: the numpy reference
+            return super()._quantize_bf16_fast(bf16_bits(w_u16), matmul, out)
         w = bf16_bits(w_u16)
         res = self.alloc(w.shape, matmul, out)
         bad = load_kernels().int8_kernel(w, res["weight"], res["weight_scale"])
@@ -166,3 +182,6 @@ class W8A8Dynamic(Codec):
     def dequantize(self, tensors):
         q = np.asarray(tensors["weight"]).view(np.int8)
         return q.astype(np.float32) * np.asarray(tensors["weight_scale"], np.float32).reshape(-1, 1)
+
+
+_W8A8_POW2: W8A8Dynamic | None = None

@@ -86,6 +86,29 @@ def int8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, s
 
 
+def int8_pow2_scale(amax: np.ndarray) -> np.ndarray:
+    """float32 scale per row: the smallest power of two s with amax / s <= 127 (1.0 for all-zero rows).
+
+    For a row decoded from MXFP4 (E2M1 x 2^e per block of 32; the largest block's amax is 4 or 6 x 2^e_max)
+    s = 2^(e_max - 4), and the int8 grid holds every E2M1 value of each block whose exponent is within 3 of
+    e_max (0.5 x 2^e is a multiple of s), so such rows are represented exactly.  A power of two is also exact
+    in the BF16 the loader keeps ``weight_scale`` in."""
+    amax = np.asarray(amax, np.float32)
+    nz = amax > 0
+    E = floor_log2(np.where(nz, amax, np.float32(1.0)))
+    e = np.maximum(E - 6, -149)  # amax / 2^(E-6) is in [64, 128): one more when it passes 127
+    e = np.where(amax.astype(np.float64) > 127.0 * np.exp2(e.astype(np.float64)), e + 1, e)  # exact in float64
+    return np.where(nz, np.ldexp(np.float32(1.0), e.astype(np.int32)), np.float32(1.0)).astype(np.float32)
+
+
+def int8_pow2_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """-> (q int8 [N, K] in [-127, 127], s float32 [N]) with s = ``int8_pow2_scale``: nothing clips."""
+    check_finite(w)
+    s = int8_pow2_scale(np.abs(w).max(axis=1))
+    q = np.clip(np.rint(w / s[:, None]), -127, 127).astype(np.int8)
+    return q, s
+
+
 # --------------------------------------------------------------------------------------------------
 # W4A8_DYNAMIC
 
