@@ -92,7 +92,7 @@ def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(),
     target = resolve_target(target_name)
     spec = load_model_spec_from_source(source, recipe_given=recipe_path is not None)
     recipe = load_recipe(target.name, recipe_path, list(overrides))
-    plan = make_plan(source, spec, recipe, target, max_shard_size, group_size)
+    plan = make_plan(source, spec, recipe, target, max_shard_size, group_size, calibrated)
     check_mxfp4_source_rules(plan, calibrated)
     return plan
 

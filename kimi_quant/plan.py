@@ -107,10 +107,12 @@ class TensorPlan:
     group_size: int = 0  # W4A8_DYNAMIC per group (--group-size); 0: per channel, and every other scheme
     #: a packed source pair (dtype MXFP4): [[codes tensor, its shard], [scales tensor, its shard]]
     packed: list | None = None
+    pow2_scale: bool = False  # W8A8_DYNAMIC with power-of-two row scales (MXFP4 experts on a3)
 
     @property
     def codec(self):
-        return get_codec(self.scheme, self.group_size)
+        codec = get_codec(self.scheme, self.group_size)
+        return codec.with_pow2_scale() if self.pow2_scale else codec
 
     @property
     def files(self) -> list[str]:
@@ -139,6 +141,8 @@ class TensorPlan:
             d["group_size"] = self.group_size
         if self.packed:
             d["packed"] = [list(p) for p in self.packed]
+        if self.pow2_scale:
+            d["pow2_scale"] = True
         return d
 
 
@@ -207,7 +211,7 @@ class Plan:
         packed = [t for t in self.tensors() if t.packed]
         if not packed:
             return None
-        decoded = Counter(t.scheme for t in packed if not t.repack)
+        decoded = Counter(t.scheme + (POW2_WORDS if t.pow2_scale else "") for t in packed if not t.repack)
         return {"format": f"compressed-tensors {MXFP4_FORMAT}", "tensors": len(packed),
                 "copied": len(packed) - sum(decoded.values()), "decoded": dict(sorted(decoded.items()))}
 
@@ -267,12 +271,18 @@ def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str |
             for suffix, (dt, shp) in get_codec(scheme, group_size).out_specs(tuple(shape), matmul).items()]
 
 
-#: Per-channel data-free int4 of MXFP4 weights: one int4 scale per row cannot follow the 32-blocks' own
-#: exponents, so a row's small blocks round to zero (scripts/bench_quality.py --mxfp4-source measures it).
-MXFP4_PER_CHANNEL_INT4 = ("the source's experts are MXFP4 (a power-of-two scale per 32 weights); per-channel "
-                          "data-free int4 rounds a row's small-scale blocks to zero (~5x perplexity on a real "
-                          "model put on the MXFP4 grid)")
-MXFP4_INT4_OPTIONS = "--calibrate (GPTQ, per channel: every loader reads it) or --group-size 32"
+#: Per-channel data-free int4 of MXFP4 weights: one int4 scale per row cannot hold E2M1's uneven levels under
+#: the 32-blocks' exponents (scripts/bench_quality.py --mxfp4-source: 5.3-5.8x perplexity on SmolLM2-135M put on
+#: the MXFP4 grid; --group-size 32 1.5-1.8x; --calibrate 1.25-1.5x; int8 experts 1.01-1.02x).
+MXFP4_PER_CHANNEL_INT4 = ("the source's experts are MXFP4; per-channel data-free int4 cannot hold their values "
+                          "(5.3-5.8x perplexity on a real model put on the MXFP4 grid)")
+MXFP4_INT4_OPTIONS = ("the default for such experts (W8A8_DYNAMIC, power-of-two scales: ~exact), --calibrate "
+                      "(int4 by GPTQ: 1.25-1.5x), or --group-size 32 (1.5-1.8x; vLLM-Ascend 0.23.x only)")
+#: a3's scheme for routed experts published as MXFP4, unless a rule or an option asks for another: int8 with
+#: power-of-two row scales holds a row's MXFP4 values exactly when its block exponents span <= 5 (99.95% of
+#: rows on the stand-in), at twice the int4 bytes (K3: ~2.7 TB of experts; 4 x Atlas 800 A3 hold it)
+MXFP4_EXPERTS_ON_A3 = "W8A8_DYNAMIC"
+POW2_WORDS = " (power-of-two row scales: the MXFP4 values held exactly in int8 where a row allows)"
 
 
 def packed_words(summary: dict) -> str:
@@ -327,7 +337,8 @@ def _check_index(source_id: str, weight_map: dict[str, str], headers: dict[str, 
 
 
 def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
-              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, group_size: int | None = None) -> Plan:
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, group_size: int | None = None,
+              calibrated: bool = False) -> Plan:
     """Plan a conversion from headers only; refuses bad recipes and inconsistent inputs up front.
 
     group_size: 0, or G for per-group int4 (W4A8_DYNAMIC tensors get G inputs per scale, and the
@@ -375,6 +386,10 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
             role = spec.role(name)
             scheme = recipe.scheme_for(name, role.role)
             group = group_size if scheme in REGISTRY and REGISTRY[scheme].reads_group_size else 0
+            pow2 = False
+            if pair and scheme == "W4A8_DYNAMIC" and not group and not calibrated \
+                    and not any(rule.matches(name) for rule in recipe.rules):
+                scheme, pow2 = MXFP4_EXPERTS_ON_A3, True  # the role table's int4 is broken on MXFP4 values
             if not target.allows(scheme):  # load_recipe refuses these; a Recipe built in code may not
                 raise RecipeError(f"tensor {name!r}: scheme {scheme} is not for target {target.name} "
                                   f"(it takes {target.scheme_names()})")
@@ -396,7 +411,8 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
             out_dtype = "BF16" if pair else info.dtype  # a packed tensor kept FLOAT is written decoded
             tensors.append(TensorPlan(name, file, info.dtype, list(info.shape), scheme, role.matmul,
                                       _outputs(name, out_dtype, list(info.shape), scheme, role.matmul, group), group,
-                                      [[pair.codes, pair.codes_file], [pair.scales, pair.scales_file]] if pair else None))
+                                      [[pair.codes, pair.codes_file], [pair.scales, pair.scales_file]] if pair else None,
+                                      pow2))
     for group, schemes in sorted(groups.items()):
         if len(schemes) > 1:
             examples = ", ".join(f"{group_example[(group, s)]} -> {s}" for s in sorted(schemes))

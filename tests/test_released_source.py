@@ -186,15 +186,33 @@ def test_a3_from_the_release_equals_a3_from_its_exact_decoding(released, decoded
         json.loads((tmp_path / "b" / description).read_text())
 
 
-def test_a3_per_channel_data_free_is_refused_on_mxfp4_experts(released, tmp_path):
+def test_a3_default_holds_the_mxfp4_experts_exactly_in_int8(released, tmp_path):
+    """a3 from MXFP4 experts: by default W8A8_DYNAMIC with power-of-two row scales, which holds every row of
+    the tiny model's experts exactly (a row whose block exponents span more than int8 can hold would not be)."""
+    _convert(released, tmp_path / "out", "-t", "a3")
+    src, out = _tensors(released, "model"), _tensors(tmp_path / "out", "quant_model_weights")
+    description = json.loads((tmp_path / "out" / "quant_model_description.json").read_text())
+    for name in [n for n in src if n.endswith(".weight_packed")]:
+        base = name[: -len(".weight_packed")]
+        assert description[base + ".weight"] == "W8A8_DYNAMIC"
+        scale = out[base + ".weight_scale"].numpy()
+        assert np.all(np.frexp(scale)[0] == 0.5)  # powers of two
+        np.testing.assert_array_equal(out[base + ".weight"].numpy().astype(np.float32) * scale,
+                                      decode_mxfp4(src[name].numpy(), src[base + ".weight_scale"].numpy()))
+    provenance = json.loads((tmp_path / "out" / "kimi_quant_provenance.json").read_text())
+    assert list(provenance["source_packing"]["decoded"]) == [
+        "W8A8_DYNAMIC (power-of-two row scales: the MXFP4 values held exactly in int8 where a row allows)"]
+
+
+def test_a3_per_channel_data_free_int4_is_refused_on_mxfp4_experts(released, tmp_path):
+    """Asked for by name (the default takes int8), per-channel data-free int4 of MXFP4 experts is refused."""
     out = tmp_path / "out"
-    r = kq("convert", str(released), "-t", "a3", "-o", str(out))
+    r = kq("convert", str(released), "-t", "a3", "-o", str(out),
+           "--override", "*.block_sparse_moe.experts.*=W4A8_DYNAMIC")
     assert r.returncode != 0
     line = error_line(r.stderr)
     assert "MXFP4" in line and "--calibrate" in line and "--group-size 32" in line
     assert not out.exists()
-    r = kq("plan", str(released), "-t", "a3")
-    assert r.returncode != 0 and "--calibrate" in error_line(r.stderr)
 
 
 def test_validate_reads_the_release_as_its_reference(released, decoded, tmp_path):
