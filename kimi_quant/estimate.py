@@ -112,7 +112,7 @@ def measure_rates() -> Rates:
     a temporary directory, and time it."""
     from .dtypes import f32_to_bf16
     from .executor.unit import convert_unit
-    from .plan import TensorPlan, UnitPlan, _outputs
+    from .plan import TensorPlan, UnitPlan, output_tensors
     from .quant import REGISTRY, get_codec, warmup
     from .source.compressed import MXFP4
     from .write import ShardWriter
@@ -143,12 +143,12 @@ def measure_rates() -> Rates:
             matmul = "down" if codec is not None and codec.check(SAMPLE_SHAPE, "down") is None else None
             units[scheme] = UnitPlan(f"{scheme}.safetensors", [
                 TensorPlan(n, src.name, "BF16", list(SAMPLE_SHAPE), scheme, matmul,
-                           _outputs(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
+                           output_tensors(n, "BF16", list(SAMPLE_SHAPE), scheme, matmul)) for s, n in names if s == scheme])
         for key, prefixes in packed.items():
             scheme, group = PACKED_RATE_KEYS[key]
             units[key] = UnitPlan(f"{scheme}-mxfp4.safetensors", [
                 TensorPlan(f"{p}.weight", src.name, MXFP4, list(SAMPLE_SHAPE), scheme, "down",
-                           _outputs(f"{p}.weight", "BF16", list(SAMPLE_SHAPE), scheme, "down", group), group,
+                           output_tensors(f"{p}.weight", "BF16", list(SAMPLE_SHAPE), scheme, "down", group), group,
                            [[f"{p}.weight_packed", src.name], [f"{p}.weight_scale", src.name]]) for p in prefixes])
         seconds = _best_cpu_times({scheme: functools.partial(convert_unit, unit, {src.name: str(src)}, d)
                                    for scheme, unit in units.items()})

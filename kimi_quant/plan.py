@@ -263,7 +263,8 @@ class Plan:
         return cls(**d)
 
 
-def _outputs(name: str, dtype: str, shape: list[int], scheme: str, matmul: str | None, group_size: int = 0):
+def output_tensors(name: str, dtype: str, shape: list[int], scheme: str, matmul: str | None, group_size: int = 0):
+    """The ascendV1 tensors source tensor ``name`` becomes: [[name, dtype, shape], ...] in write order."""
     if scheme == FLOAT:
         return [[name, dtype, list(shape)]]
     base = name.removesuffix(".weight")
@@ -410,7 +411,7 @@ def make_plan(source: Source, spec: ModelSpec, recipe: Recipe, target: Target,
                 group_example.setdefault((role.fuse_group, scheme), name)
             out_dtype = "BF16" if pair else info.dtype  # a packed tensor kept FLOAT is written decoded
             tensors.append(TensorPlan(name, file, info.dtype, list(info.shape), scheme, role.matmul,
-                                      _outputs(name, out_dtype, list(info.shape), scheme, role.matmul, group), group,
+                                      output_tensors(name, out_dtype, list(info.shape), scheme, role.matmul, group), group,
                                       [[pair.codes, pair.codes_file], [pair.scales, pair.scales_file]] if pair else None,
                                       pow2))
     for group, schemes in sorted(groups.items()):

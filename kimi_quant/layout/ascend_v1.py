@@ -16,17 +16,11 @@ from ..plan import Plan
 from ..source.base import SINGLE_FILE, WEIGHT_INDEX, Source
 from ..untrusted import inside
 from ..write import write_atomic, write_json_atomic
+from .files import CALIB_STATE, CARD, DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION  # noqa: F401
+from .model_card import model_card
 
-INDEX = "quant_model_weights.safetensors.index.json"
-DESCRIPTION = "quant_model_description.json"
-PROVENANCE = "kimi_quant_provenance.json"
-VALIDATION = "kimi_quant_validation.json"
-#: a calibrated run's state between layers (activations of the calibration text): removed when the run ends
-CALIB_STATE = "kimi_quant_calib_state.safetensors"
 MAX_COPIED_FILE = 64 * 1024 * 1024  # "small files": configs, code, tokenizer, docs
 OWN_FILES = (INDEX, DESCRIPTION, PROVENANCE, VALIDATION)
-#: what the provenance and the card say of a local source directory
-LOCAL_SOURCE = "local checkpoint"
 
 
 def clean_config(config: dict) -> dict:
@@ -74,7 +68,6 @@ def output_name(name: str) -> str:
 def write_metadata_files(out_dir: Path, plan: Plan, source: Source, provenance: dict, copied: list[str]) -> None:
     """Everything but the weight shards, in an order that keeps a partial output unloadable.
     ``copied``: the source files to copy, as ``files_to_copy`` listed them for the journal."""
-    from .model_card import CARD, model_card
 
     for name in copied:
         dest = out_dir / output_name(name)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .aot import numba_cache_dir
+from .numba_cache import numba_cache_dir
 
 numba_cache_dir()  # numba's pickled cache only in a private directory: checked before numba reads any of it
 
