@@ -41,6 +41,7 @@ import torch
 from ..errors import KimiQuantError
 from ..layout.ascend_v1 import CALIB_STATE, PROVENANCE
 from ..model.spec import load_model_spec_from_source
+from ..output_run import ConvertResult, check_window, finish_output, resume_output
 from ..plan import Plan, TensorPlan, UnitPlan
 from ..quant.gptq import gptq_quantize
 from ..recipe.recipe import FLOAT
@@ -377,7 +378,6 @@ def _chunks(items: list, n: int) -> list[list]:
 
 @torch.inference_mode()
 def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Path, journal, opts, t0: float):
-    from ..convert import ConvertResult, _finish, _resume
     from ..progress import NoBar, progress_bar
 
     cfg: CalibConfig = opts.calibrate
@@ -386,7 +386,8 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     n_layers = tcfg.num_hidden_layers
     if opts.workers:
         torch.set_num_threads(opts.workers)
-    r = _resume(source, plan, out_dir, journal, opts, all_inputs=True)
+    r = resume_output(source, plan, out_dir, journal, opts, all_inputs=True)
+    check_window(getattr(source, "max_disk", None), r.todo, r.entries)  # the same --max-disk bound as a data-free run
     by_layer = units_by_layer(plan, spec)
     info = dict(plan.extra["calibration"])
     binding = state_binding(plan.fingerprint(), r.made_from, info, cfg)
@@ -434,7 +435,7 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     if layers_done == 0 and not r.todo:
         quant.stats = _previous_stats(out_dir) or quant.stats
     info["stats"] = quant.stats
-    _finish(source, plan, out_dir, journal, opts, r, {"calibration": info})
+    finish_output(source, plan, out_dir, journal, opts, r, {"calibration": info})
     (out_dir / STATE_FILE).unlink(missing_ok=True)
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(r.todo), len(r.done),
                          sum(u.in_bytes for u in r.todo), getattr(source, "peak_staged_bytes", None), info)

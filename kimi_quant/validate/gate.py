@@ -4,7 +4,7 @@ A validation of a kimi-quant output is recorded in the output itself: the full r
 ``kimi_quant_validation.json``, its summary and verdict under ``validation`` in the provenance
 (``verify`` fails on a failed one, ``publish`` refuses it unless ``--force``), and the numbers on
 the model card, whether they passed or not. Re-converting any shard deletes the report, and the
-summary is then dropped from the provenance (``convert._carry_validation``).
+summary is then dropped from the provenance (``output_run.carry_validation``).
 """
 
 from __future__ import annotations
