@@ -38,8 +38,8 @@ import consumer_sources as cs
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.model.spec import spec_from_config
 from kimi_quant.model.synth import synth
-from kimi_quant.quant import dequantize_prefixed
-from safetensors.torch import load_file
+from kimi_quant.quant import dequantize_prefixed, get_codec
+from safetensors.torch import load_file, save_file
 
 LAYOUTS = {
     # name -> fused module -> its parts (what the model class's packed_modules_mapping says)
@@ -104,18 +104,59 @@ def released(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(params=["a3", "950dt", "a3-group32", "950dt-released", "a3-released-group32"])
+# the routed experts' type each target writes by default, and the override that makes them int8 per channel
+EXPERTS = {"a3": "W4A8_DYNAMIC", "950dt": "W4A8_MXFP"}
+INT8_EXPERTS = "*.block_sparse_moe.experts.*=W8A8_DYNAMIC"
+
+
+def pow2_experts(out: Path, source: Path) -> None:
+    """Rewrite an "-int8-experts" output's routed experts with power-of-two row scales (the a3 codec for
+    experts published as MXFP4, ``with_pow2_scale``, which no convert option selects yet): same names, shapes
+    and dtypes, each expert encoded from its BF16 source weight."""
+    pow2 = get_codec("W8A8_DYNAMIC").with_pow2_scale()
+    src = _read_all(source, "model.safetensors.index.json")
+    for shard in sorted(set(json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
+                            ["weight_map"].values())):
+        tensors = load_file(out / shard)
+        for name in [n for n in tensors if re.search(r"\.experts\.\d+\.w[123]\.weight$", n)]:
+            prefix = name.removesuffix(".weight")
+            enc = pow2.quantize(src[name].float().numpy())
+            assert (np.frexp(enc["weight_scale"])[0] == 0.5).all(), prefix  # every row scale a power of two
+            for suffix, t in enc.items():
+                old = tensors[f"{prefix}.{suffix}"]
+                assert old.shape == t.shape and str(old.dtype).endswith(str(t.dtype)), (prefix, suffix)
+                tensors[f"{prefix}.{suffix}"] = torch.from_numpy(t)
+        save_file(tensors, out / shard, metadata={"format": "pt"})
+
+
+def scale_tol(ckpt: dict[str, torch.Tensor], prefix: str) -> float:
+    """How far a loader's read of W8A8_DYNAMIC ``prefix`` may be from ours: the loaders hold its scales in BF16
+    (vLLM-Ascend: created in the model dtype; SGLang: cast on processing), exact where they are BF16 values
+    (power-of-two scales are), else a 2^-9 relative rounding."""
+    s = ckpt[f"{prefix}.weight_scale"].float()
+    return 0.0 if torch.equal(s.to(torch.bfloat16).float(), s) else 2 ** -8
+
+
+@pytest.fixture(params=["a3", "950dt", "a3-group32", "950dt-released", "a3-released-group32", "a3-int8-experts",
+                        "a3-int8-pow2-experts"])
 def converted(request, tiny, released, tmp_path_factory, _conversions):
-    """(target, output); "a3-group32": ``--group-size 32`` (the tiny experts have K = 64: two groups);
-    "-released": converted from ``released`` (950dt copies its experts' codes and scales, a3 decodes them)."""
+    """(target, output, the routed experts' type); "a3-group32": ``--group-size 32`` (the tiny experts have
+    K = 64: two groups); "-released": converted from ``released`` (950dt copies its experts' codes and scales,
+    a3 decodes them); "-int8-experts": the routed experts W8A8_DYNAMIC (``INT8_EXPERTS``); "-int8-pow2-experts":
+    those with power-of-two scales (``pow2_experts``)."""
     if request.param not in _conversions:
-        target, _, group = request.param.partition("-group")
+        pow2 = request.param.endswith("-int8-pow2-experts")
+        name = request.param.removesuffix("-int8-pow2-experts").removesuffix("-int8-experts")
+        int8 = pow2 or request.param.endswith("-int8-experts")
+        target, _, group = name.partition("-group")
         source = released if target.endswith("-released") else tiny
         target = target.removesuffix("-released")
         out = tmp_path_factory.mktemp(f"out-{request.param}")
         convert(str(source), ConvertOptions(target=target, output=out, workers=1, quiet=True,
-                                            group_size=int(group or 0)))
-        _conversions[request.param] = target, out
+                                            group_size=int(group or 0), overrides=[INT8_EXPERTS] if int8 else []))
+        if pow2:
+            pow2_experts(out, source)
+        _conversions[request.param] = target, out, "W8A8_DYNAMIC" if int8 else EXPERTS[target]
     return _conversions[request.param]
 
 
@@ -309,7 +350,13 @@ def moe_weights(qtype: str, layer, I: int):
     """Per expert (gate [I, R], up [I, R], down [R, I]) from a processed fused-MoE layer, plus the
     A8W4 kernel's scale_bias terms where it has them."""
     out, bias = [], None
-    if qtype == "W4A8_DYNAMIC":  # w13 int32 [E, K, N/8] (int8 pairs packed along N)
+    if qtype == "W8A8_DYNAMIC":  # w13 int8 [E, K, 2I], w2 [E, I, R]; the grouped matmuls' per-channel scales
+        # [E, N]: vLLM-Ascend's w1_scale is w13_weight_scale_fp32, SGLang's w13_weight_scale (both BF16 values)
+        s13 = getattr(layer, "w13_weight_scale_fp32", None)
+        s13 = (layer.w13_weight_scale.data if s13 is None else s13).float()
+        w13 = (layer.w13_weight.data.float() * s13[:, None, :]).transpose(1, 2)
+        w2 = (layer.w2_weight.data.float() * layer.w2_weight_scale.data.float()[:, None, :]).transpose(1, 2)
+    elif qtype == "W4A8_DYNAMIC":  # w13 int32 [E, K, N/8] (int8 pairs packed along N)
         q13 = _nibbles(layer.w13_weight.data.view(torch.int8), signed=True).float()  # [E, R, 2I]
         q2 = _nibbles(layer.w2_weight.data.view(torch.int8), signed=True).float()  # [E, I, R]
 
@@ -438,7 +485,7 @@ def check_int4_bias(pieces: list, whole: list, I: int, down: bool = True) -> Non
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
-    target, out = converted
+    target, out, experts_type = converted
     desc = json.loads((out / "quant_model_description.json").read_text())
     ckpt = _read_all(out, "quant_model_weights.safetensors.index.json")
     src = _read_all(tiny, "model.safetensors.index.json")
@@ -469,10 +516,11 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
                 assert torch.equal(ckpt[f"{p}.weight"], src[f"{p}.weight"]), p
             continue
         assert method.quant_method.__class__.__name__ in {
-            "W8A8_DYNAMIC": "AscendW8A8DynamicLinearMethod", "W8A8_MXFP8": "AscendW8A8MXFP8DynamicLinearMethod",
+            "W8A8_DYNAMIC": "AscendW8A8DynamicLinearMethod AscendW8A8DynamicFusedMoEMethod", "W8A8_MXFP8": "AscendW8A8MXFP8DynamicLinearMethod",
             "W4A8_MXFP": "AscendW4A8MXFPDynamicLinearMethod AscendW4A8MXFPDynamicFusedMoEMethod",
             "W4A8_DYNAMIC": "AscendW4A8DynamicFusedMoEMethod"}[qtype].split(), (prefix, method.quant_method)
         if kind == "moe":
+            assert qtype == experts_type, (prefix, qtype)
             if qtype == "W4A8_DYNAMIC":  # the loader's per-group path exactly when the description says so
                 assert method.quant_method.is_per_channel_weight == (desc["group_size"] == 0), prefix
             experts, bias = load_and_read(method, layer, kind, qtype, prefix, parts, ckpt, spec)
@@ -481,7 +529,8 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
                     full = f"{prefix}.{e}.{name}"
                     ref = src[f"{full}.weight"].float()
                     ours = _ours(qtype, ckpt, full, desc["group_size"])
-                    assert torch.equal(w, ours), f"{full}: the loader reads other weights than we wrote"
+                    tol = scale_tol(ckpt, full) if qtype == "W8A8_DYNAMIC" else 0
+                    assert _rel(w, ours) <= tol, f"{full}: the loader reads other weights than we wrote"
                     worst[qtype] = max(worst.get(qtype, 0.0), _rel(w, ref))
             for got, want in bias or ():
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
@@ -493,10 +542,10 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
             tol = 2 ** -8 if qtype == "W8A8_DYNAMIC" else 0
             assert _rel(w, ours) <= tol, f"{prefix}: the loader reads other weights than we wrote ({_rel(w, ours):.2e})"
             worst[qtype] = max(worst.get(qtype, 0.0), _rel(w, ref))
-    want = {"a3": {"W4A8_DYNAMIC", "W8A8_DYNAMIC", "FLOAT"}, "950dt": {"W4A8_MXFP", "W8A8_MXFP8", "FLOAT"}}[target]
+    want = {"a3": {"W8A8_DYNAMIC", "FLOAT"}, "950dt": {"W4A8_MXFP", "W8A8_MXFP8", "FLOAT"}}[target] | {experts_type}
     assert set(seen) == want, seen
     per_group_refused = target == "a3" and desc["group_size"] > 0 and not va.expect["per_group_w4a8_moe"]
-    assert len(refused) == (seen["W4A8_DYNAMIC"] if per_group_refused else 0), refused
+    assert len(refused) == (seen.get("W4A8_DYNAMIC", 0) if per_group_refused else 0), refused
     for qtype, err in worst.items():
         assert err < BOUND[qtype], f"{qtype}: relative error {err:.3f} vs BF16 (bound {BOUND[qtype]})"
     print(f"{va.version} {target}/{layout}: layers per type {seen}; worst relative error vs BF16 "
@@ -507,7 +556,7 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
 def test_what_used_to_fail_still_fails_in_the_real_loader(va, converted, tiny):
     """The three load failures of issue 12, reproduced against the real code with our fixes undone
     (where a version's loader no longer fails that way, what it does instead)."""
-    target, out = converted
+    target, out, _ = converted
     desc = json.loads((out / "quant_model_description.json").read_text())
     spec = spec_from_config(json.loads((tiny / "config.json").read_text()))
     moe_layer = next(i for i in range(spec.text.num_hidden_layers) if not spec.text.is_dense(i))
@@ -571,7 +620,7 @@ def test_tp2_ranks_pieces_make_the_whole(va, converted, tiny, request, roll):
     (``get_tensor_model_parallel_world_size/rank``, the layers' ``tp_size/tp_rank``), loads its slice of
     our tensors through vLLM's loaders (and vLLM-Ascend's where it has its own), processes it; the ranks'
     pieces, put together along the split dim, are what tp=1 reads: exactly, and what we wrote."""
-    target, out = converted
+    target, out, experts_type = converted
     desc = json.loads((out / "quant_model_description.json").read_text())
     ckpt = _read_all(out, "quant_model_weights.safetensors.index.json")
     ckpt = roll_intermediate(ckpt) if roll else ckpt
@@ -598,7 +647,8 @@ def test_tp2_ranks_pieces_make_the_whole(va, converted, tiny, request, roll):
             for e, (ws, ref) in enumerate(zip(joined, whole)):
                 for w, r, name in zip(ws, ref, ("w1", "w3", "w2")):
                     ours = _ours(qtype, ckpt, f"{prefix}.{e}.{name}", desc["group_size"])
-                    assert torch.equal(w, r) and torch.equal(w, ours), f"{prefix}.{e}.{name}: tp=2 pieces differ"
+                    tol = scale_tol(ckpt, f"{prefix}.{e}.{name}") if qtype == "W8A8_DYNAMIC" else 0
+                    assert torch.equal(w, r) and _rel(w, ours) <= tol, f"{prefix}.{e}.{name}: tp=2 pieces differ"
             if whole_bias:
                 check_int4_bias([b for _, b in pieces], whole_bias, I)
         else:
@@ -608,7 +658,7 @@ def test_tp2_ranks_pieces_make_the_whole(va, converted, tiny, request, roll):
             tol = 2 ** -8 if qtype == "W8A8_DYNAMIC" else 0  # the BF16 weight_scale, as at tp=1
             assert torch.equal(w, whole) and _rel(w, ours) <= tol, f"{prefix}: tp=2 pieces differ ({_rel(w, ours):.2e})"
         seen[f"{qtype} {kind}"] = seen.get(f"{qtype} {kind}", 0) + 1
-    want = {"a3": {"W4A8_DYNAMIC moe", "W8A8_DYNAMIC row", "W8A8_DYNAMIC linear"},
+    want = {"a3": {f"{experts_type} moe", "W8A8_DYNAMIC row", "W8A8_DYNAMIC linear"},
             "950dt": {"W4A8_MXFP moe", "W4A8_MXFP row", "W4A8_MXFP linear", "W8A8_MXFP8 row", "W8A8_MXFP8 linear"}}
     if target == "a3" and desc["group_size"] and not va.expect["per_group_w4a8_moe"]:
         want["a3"].discard("W4A8_DYNAMIC moe")

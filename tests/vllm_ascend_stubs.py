@@ -316,7 +316,8 @@ def import_vllm_ascend(src: Path, device_type: str = "A3") -> SimpleNamespace:
     # the Ascend config vLLM-Ascend reads in scheme constructors: defaults, no dynamic EPLB
     # (weight_nz_mode 1, the default: quantized weights go through npu_format_cast, the identity here)
     ascend_config._ASCEND_CONFIG = SimpleNamespace(eplb_config=SimpleNamespace(dynamic_eplb=False),
-                                                   weight_nz_mode=1, enable_fused_mc2=0)
+                                                   weight_nz_mode=1, enable_fused_mc2=0,
+                                                   multistream_overlap_gate=False)
     ascend_config._is_ascend_config_initialized = lambda cfg: True
     from vllm_ascend.distributed import parallel_state
 
