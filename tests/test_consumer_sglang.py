@@ -45,8 +45,8 @@ import consumer_sources as cs
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.model.spec import spec_from_config
 from test_consumer_vllm_ascend import (BOUND, EXPERTS, INT8_EXPERTS, TP, _ours, _read_all, _rel, check_int4_bias, join_experts, join_linear,
-                                       linear_weight, moe_weights, mx_loaded_experts, pow2_experts, released,
-                                       roll_intermediate, scale_tol, tiny)  # noqa: F401
+                                       linear_weight, moe_weights, mx_loaded_experts, read_reference, released,
+                                       roll_intermediate, scale_tol, SOURCE_OF, tiny)  # noqa: F401
 
 SCHEMES = {  # description type -> (Linear scheme, MoE scheme) SGLang must pick
     "W8A8_DYNAMIC": ("ModelSlimW8A8Int8", "ModelSlimW8A8Int8MoE"),
@@ -72,21 +72,20 @@ def sgl():
     stubs.remove_sglang()
 
 
-@pytest.fixture(scope="module", params=["a3", "950dt", "950dt-released", "a3-int8-experts", "a3-int8-pow2-experts"])
+@pytest.fixture(scope="module", params=["a3", "950dt", "950dt-released", "a3-released", "a3-int8-experts"])
 def converted(request, tiny, released, tmp_path_factory):
-    """(target, output, the routed experts' type); "950dt-released": from the tiny model as Kimi K3 is
-    published (MXFP4 experts); "a3-int8-experts": the routed experts W8A8_DYNAMIC (``INT8_EXPERTS``);
-    "a3-int8-pow2-experts": those with power-of-two scales (``pow2_experts``)."""
-    pow2 = request.param.endswith("-int8-pow2-experts")
-    int8 = pow2 or request.param.endswith("-int8-experts")
+    """(target, output, the routed experts' type); "-released": from the tiny model as Kimi K3 is published
+    (MXFP4 experts: 950dt copies them, a3 makes them W8A8_DYNAMIC with power-of-two row scales);
+    "a3-int8-experts": the routed experts W8A8_DYNAMIC (``INT8_EXPERTS``)."""
+    int8 = request.param.endswith("-int8-experts")
     target = request.param.split("-")[0]
     source = released if request.param.endswith("-released") else tiny
     out = tmp_path_factory.mktemp(f"sglang-out-{request.param}")
     convert(str(source), ConvertOptions(target=target, output=out, workers=1, quiet=True,
                                         overrides=[INT8_EXPERTS] if int8 else []))
-    if pow2:
-        pow2_experts(out, source)
-    return target, out, "W8A8_DYNAMIC" if int8 else EXPERTS[target]
+    SOURCE_OF[out] = source
+    mxfp4_a3 = target == "a3" and source is released
+    return target, out, "W8A8_DYNAMIC" if int8 or mxfp4_a3 else EXPERTS[target]
 
 
 def npu_loader_mapping(src: Path) -> dict:
@@ -339,7 +338,7 @@ def read_layer(kind: str, layer, qtype: str):
 def _setup(out: Path, tiny: Path):
     desc = json.loads((out / "quant_model_description.json").read_text())
     ckpt = _read_all(out, "quant_model_weights.safetensors.index.json")
-    src = _read_all(tiny, "model.safetensors.index.json")
+    src = read_reference(SOURCE_OF.get(out, tiny))  # what the output was converted from (decoded, if packed)
     config = json.loads((tiny / "config.json").read_text())
     return desc, ckpt, src, config["text_config"], spec_from_config(config)
 

@@ -38,8 +38,8 @@ import consumer_sources as cs
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.model.spec import spec_from_config
 from kimi_quant.model.synth import synth
-from kimi_quant.quant import dequantize_prefixed, get_codec
-from safetensors.torch import load_file, save_file
+from kimi_quant.quant import dequantize_prefixed
+from safetensors.torch import load_file
 
 LAYOUTS = {
     # name -> fused module -> its parts (what the model class's packed_modules_mapping says)
@@ -109,24 +109,19 @@ EXPERTS = {"a3": "W4A8_DYNAMIC", "950dt": "W4A8_MXFP"}
 INT8_EXPERTS = "*.block_sparse_moe.experts.*=W8A8_DYNAMIC"
 
 
-def pow2_experts(out: Path, source: Path) -> None:
-    """Rewrite an "-int8-experts" output's routed experts with power-of-two row scales (the a3 codec for
-    experts published as MXFP4, ``with_pow2_scale``, which no convert option selects yet): same names, shapes
-    and dtypes, each expert encoded from its BF16 source weight."""
-    pow2 = get_codec("W8A8_DYNAMIC").with_pow2_scale()
+#: output directory -> the checkpoint it was converted from (the reference its weights are checked against)
+SOURCE_OF: dict[Path, Path] = {}
+
+
+def read_reference(source: Path) -> dict[str, torch.Tensor]:
+    """The source's weights by logical name: a packed MXFP4 pair (the released layout) decoded exactly."""
+    from kimi_quant.quant import decode_mxfp4
+
     src = _read_all(source, "model.safetensors.index.json")
-    for shard in sorted(set(json.loads((out / "quant_model_weights.safetensors.index.json").read_text())
-                            ["weight_map"].values())):
-        tensors = load_file(out / shard)
-        for name in [n for n in tensors if re.search(r"\.experts\.\d+\.w[123]\.weight$", n)]:
-            prefix = name.removesuffix(".weight")
-            enc = pow2.quantize(src[name].float().numpy())
-            assert (np.frexp(enc["weight_scale"])[0] == 0.5).all(), prefix  # every row scale a power of two
-            for suffix, t in enc.items():
-                old = tensors[f"{prefix}.{suffix}"]
-                assert old.shape == t.shape and str(old.dtype).endswith(str(t.dtype)), (prefix, suffix)
-                tensors[f"{prefix}.{suffix}"] = torch.from_numpy(t)
-        save_file(tensors, out / shard, metadata={"format": "pt"})
+    for name in [n for n in src if n.endswith(".weight_packed")]:
+        base = name.removesuffix("_packed")
+        src[base] = torch.from_numpy(decode_mxfp4(src.pop(name).numpy(), src.pop(base + "_scale").numpy()))
+    return src
 
 
 def scale_tol(ckpt: dict[str, torch.Tensor], prefix: str) -> float:
@@ -137,26 +132,25 @@ def scale_tol(ckpt: dict[str, torch.Tensor], prefix: str) -> float:
     return 0.0 if torch.equal(s.to(torch.bfloat16).float(), s) else 2 ** -8
 
 
-@pytest.fixture(params=["a3", "950dt", "a3-group32", "950dt-released", "a3-released-group32", "a3-int8-experts",
-                        "a3-int8-pow2-experts"])
+@pytest.fixture(params=["a3", "950dt", "a3-group32", "950dt-released", "a3-released", "a3-released-group32",
+                        "a3-int8-experts"])
 def converted(request, tiny, released, tmp_path_factory, _conversions):
     """(target, output, the routed experts' type); "a3-group32": ``--group-size 32`` (the tiny experts have
     K = 64: two groups); "-released": converted from ``released`` (950dt copies its experts' codes and scales,
-    a3 decodes them); "-int8-experts": the routed experts W8A8_DYNAMIC (``INT8_EXPERTS``); "-int8-pow2-experts":
-    those with power-of-two scales (``pow2_experts``)."""
+    a3 decodes them: by default into W8A8_DYNAMIC with power-of-two row scales); "-int8-experts": the routed
+    experts W8A8_DYNAMIC (``INT8_EXPERTS``)."""
     if request.param not in _conversions:
-        pow2 = request.param.endswith("-int8-pow2-experts")
-        name = request.param.removesuffix("-int8-pow2-experts").removesuffix("-int8-experts")
-        int8 = pow2 or request.param.endswith("-int8-experts")
+        name = request.param.removesuffix("-int8-experts")
+        int8 = request.param.endswith("-int8-experts")
         target, _, group = name.partition("-group")
         source = released if target.endswith("-released") else tiny
         target = target.removesuffix("-released")
         out = tmp_path_factory.mktemp(f"out-{request.param}")
         convert(str(source), ConvertOptions(target=target, output=out, workers=1, quiet=True,
                                             group_size=int(group or 0), overrides=[INT8_EXPERTS] if int8 else []))
-        if pow2:
-            pow2_experts(out, source)
-        _conversions[request.param] = target, out, "W8A8_DYNAMIC" if int8 else EXPERTS[target]
+        SOURCE_OF[out] = source
+        mxfp4_a3 = target == "a3" and source is released and not group  # the default for MXFP4 experts on a3
+        _conversions[request.param] = target, out, "W8A8_DYNAMIC" if int8 or mxfp4_a3 else EXPERTS[target]
     return _conversions[request.param]
 
 
@@ -488,7 +482,7 @@ def test_every_layer_loads_through_the_real_loader(va, converted, tiny, layout):
     target, out, experts_type = converted
     desc = json.loads((out / "quant_model_description.json").read_text())
     ckpt = _read_all(out, "quant_model_weights.safetensors.index.json")
-    src = _read_all(tiny, "model.safetensors.index.json")
+    src = read_reference(SOURCE_OF[out])
     config = json.loads((tiny / "config.json").read_text())
     spec = spec_from_config(config)
     hidden_act = config["text_config"]["hidden_act"]  # K3: "situ" (0.30's W4A8_MXFP experts take another path)
