@@ -294,7 +294,8 @@ def test_validate_refuses_a_source_that_is_not_the_outputs_and_warns_on_an_impla
     line = refused("validate", other, out, "-q")
     assert line == (f"kimi-quant: error: {other}/model.safetensors has {(fixture / 'model.safetensors').stat().st_size + 8} "
                     f"bytes, the output was made from {(fixture / 'model.safetensors').stat().st_size} "
-                    f"({out}/kimi_quant_provenance.json): validate against the checkpoint the output was converted from")
+                    f"({out}/kimi_quant_provenance.json): validate against the checkpoint the output was converted from "
+                    "(--force shows the numbers without recording them)")
     zeroed = tmp_path / "zeroed"  # same files and sizes, other weights (no sha256 recorded to tell them apart)
     shutil.copytree(fixture, zeroed)
     from kimi_quant.source.safetensors import read_header
@@ -303,7 +304,10 @@ def test_validate_refuses_a_source_that_is_not_the_outputs_and_warns_on_an_impla
     data = bytearray((zeroed / "model.safetensors").read_bytes())
     data[emb.start:emb.end] = bytes(emb.end - emb.start)
     (zeroed / "model.safetensors").write_bytes(bytes(data))
-    r = kq("validate", zeroed, out, "-q")
+    # the first layer disagrees: refused (nothing recorded), unless --force, which shows the numbers and warns
+    line = refused("validate", zeroed, out, "-q")
+    assert "the source given is not the checkpoint the output was converted from" in line and "--force" in line
+    r = kq("validate", zeroed, out, "-q", "--force")
     assert r.returncode == 0, r.stderr
     assert re.search(rf"kimi-quant: warning: a perplexity ratio of 0\.\d+ is implausible for a faithful "
                      rf"quantization: is {re.escape(str(zeroed))} the checkpoint", r.stderr), r.stderr
