@@ -23,7 +23,7 @@ README = (ROOT / "README.md").read_text()
 TINY = ROOT / "kimi_quant" / "model" / "fixtures" / "tiny"
 HUB_IDS = ("moonshotai/Kimi-K3", "/models/Kimi-K3")  # the real model, from the hub or downloaded: the tiny fixture
 PARSE_ONLY = {"publish"}
-NOT_OURS = {"--index-url", "--local-dir"}  # pip's and hf download's options
+NOT_OURS = {"--index-url", "--local-dir", "--mxfp4-source"}  # pip's and hf download's, a bench script's
 
 
 def code_block_commands(text: str) -> list[list[str]]:
