@@ -225,8 +225,8 @@ def synth(work: Path, experts: int, layout: str = "bf16") -> Path:
     return src
 
 
-#: what a released (MXFP4-expert) source needs per target: a3 refuses per-channel data-free int4 on it
-RELEASED_TARGET_OPTIONS = {"a3": ["--group-size", "32"], "950dt": []}
+#: options per target for a released (MXFP4-expert) source: none (a3's default makes its experts int8)
+RELEASED_TARGET_OPTIONS = {"a3": [], "950dt": []}
 
 
 def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard: str,
@@ -405,7 +405,7 @@ def main() -> None:
     ap.add_argument("--double", action="store_true", help="also run with twice the experts (flat-memory check)")
     ap.add_argument("--released", action="store_true",
                     help="also convert the same model with its routed experts as Kimi K3 is published (MXFP4, "
-                         "compressed-tensors): 950dt repacks them, a3 decodes them (--group-size 32)")
+                         "compressed-tensors): 950dt repacks them, a3 decodes them")
     ap.add_argument("--targets", nargs="+", default=["a3", "950dt"])
     ap.add_argument("--workers", type=int, nargs="+", default=[None],
                     help="worker counts to run (e.g. 1 2: how conversion scales; default: one per core)")
