@@ -422,7 +422,7 @@ def packed_source_line(p) -> str | None:
     """What becomes of a source's packed MXFP4 tensors (None for a BF16 source)."""
     from .plan import packed_words
 
-    summary = p.packed_summary()
+    summary = p.packed_summary
     return f"source   {packed_words(summary)}" if summary else None
 
 
@@ -435,8 +435,8 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
              + (f", int4 per group of {p.int4_group_size}" if p.int4_group_size else "")
              + f"): {_count(job['units'], 'output shard')} (max {_gb(p.max_shard_size)})",
              f"output   {_gb(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
-             f"{_gb(job['in_bytes'])} {'MXFP4 + BF16' if packed_source_line(p) else 'BF16'} input)"]
-    if packed_source_line(p):
+             f"{_gb(job['in_bytes'])} {'MXFP4 + BF16' if p.packed_summary else 'BF16'} input)"]
+    if p.packed_summary:
         lines.append(packed_source_line(p))
     if job["disk_staging_bytes"] is None:
         lines.append(f"disk     {_gb(job['disk_needed_bytes'])}: the output (a local source is read in place)")
@@ -597,7 +597,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
                        "verified and kept")
         click.echo(f"input {_gb(p.in_bytes)} -> output {_gb(p.out_bytes)} in {_count(len(p.units), 'shard')}; "
                    f"tensors: {counts}")
-        if packed_source_line(p):
+        if p.packed_summary:
             click.echo(packed_source_line(p).removeprefix("source   "))
         if res.calibration is not None:
             from .calibrate.config import describe

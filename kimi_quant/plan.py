@@ -205,6 +205,7 @@ class Plan:
         the description's, which is 32 for the MX targets (their blocks are not int4 groups)."""
         return max((t.group_size for t in self.tensors()), default=0)
 
+    @cached_property  # plans are not mutated (see TensorPlan); plan, convert and the provenance all ask
     def packed_summary(self) -> dict | None:
         """What became of a packed MXFP4 source's tensors (None for a BF16 source): how many were copied as
         they are (W4A8_MXFP) and how many were decoded exactly for another scheme."""

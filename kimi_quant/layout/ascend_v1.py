@@ -99,5 +99,5 @@ def provenance(plan: Plan, inputs: dict[str, dict], units: dict[str, dict]) -> d
         "inputs": inputs,
         "outputs": units,
         "plan_fingerprint": plan.fingerprint(),
-        **({"source_packing": plan.packed_summary()} if plan.packed_summary() else {}),
+        **({"source_packing": plan.packed_summary} if plan.packed_summary else {}),
     }

@@ -163,7 +163,7 @@ def find_packed(source_id: str, config: dict, weight_map: dict[str, str],
                                 f"{list(c.shape)} (K = {k}) MXFP4 scales are U8 [{n}, K/{MX_BLOCK}]"
                                 + ("" if k % MX_BLOCK == 0 else f", and K must be a multiple of {MX_BLOCK}"))
         out[logical] = PackedTensor(logical, (n, k), codes, weight_map[codes], scales, weight_map[scales])
-    strays = sorted(n for n in weight_map if n.endswith(SCALES_SUFFIX) and n.endswith(".weight_scale")
+    strays = sorted(n for n in weight_map if n.endswith(SCALES_SUFFIX)
                     and n[: -len(SCALES_SUFFIX)] + ".weight" not in out
                     and headers[weight_map[n]][n].dtype == "U8")
     if strays:
