@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import KimiQuantError, ValidationFailed
+from .errors import KimiQuantError, ValidationFailed, require_torch
 from .executor.fork_server import default_workers, fork_workers_here, start_fork_server
 from .options import old_name, takes_old_name
 from .progress import fmt_duration, fmt_size
@@ -192,10 +192,18 @@ def targets():
 
 
 # -- shared options ----------------------------------------------------------------------------
-def _plan_options(f):
-    for deco in reversed([
+def _plan_options(f=None, *, output: bool = False):
+    """SOURCE, -t and the options that shape the plan; ``output=True`` puts -o right after -t (convert)."""
+    if f is None:
+        return lambda g: _plan_options(g, output=output)
+    decos = [
         click.argument("source"),
         click.option("--target", "-t", required=True, help="Device family: a3 (W4A8 int) or 950dt (W4A8 MXFP)."),
+    ]
+    if output:
+        decos.append(click.option("--output", "-o", required=True, type=click.Path(file_okay=False),
+                                  help="Output directory (re-run the same command to resume into it)."))
+    decos += [
         click.option("--recipe", type=click.Path(dir_okay=False), help="Recipe TOML replacing the built-in one."),
         click.option("--override", "overrides", multiple=True, metavar="PATTERN=SCHEME",
                      help="Set the scheme of tensors matching a glob, e.g. '*.layers.3.*=FLOAT' (it must match some "
@@ -204,13 +212,11 @@ def _plan_options(f):
                      help=f"Largest output shard, at least 64KiB ({SIZE_UNITS})."),
         click.option("--revision", help="Hub branch, tag or commit (resolved to a commit sha once)."),
         click.option("--group-size", type=click.IntRange(min=0), default=None, metavar="G",
-                     help="a3: per-group int4 for the routed experts (W4A8_DYNAMIC), one scale per G inputs: 32, 64, "
-                          "128 or 256 (msModelSlim's sizes; every expert's K must be a multiple of G). Better "
-                          "quality, larger output (+6% of the expert bytes at 256); the description's group_size "
-                          "becomes G. vLLM-Ascend 0.23.x loads it; from 0.27.1rc1 on it refuses per-group "
-                          "weights, and SGLang loads it wrong (drops the group scales). 0: one scale per "
-                          "output channel, which every loader reads. [default: the recipe's group_size, else 0]"),
-    ]):
+                     help="a3: per-group int4 routed experts, one scale per G inputs (32, 64, 128, 256). Better "
+                          "quality, but only vLLM-Ascend 0.23.x reads it (docs/formats-and-consumers.md). "
+                          "0 = per output channel, which every loader reads [default: the recipe's, else 0]."),
+    ]
+    for deco in reversed(decos):
         f = deco(f)
     return f
 
@@ -222,7 +228,7 @@ def _open(source, revision, work_dir=None):
 
 
 def _calibrate_options(f):
-    from .calibrate.config import DEFAULT_MIN_EXPERT_TOKENS, DEFAULT_TEXT, DEFAULT_TOKENS
+    from .calibrate.config import DEFAULT_MIN_EXPERT_TOKENS, DEFAULT_TEXT, DEFAULT_TOKENS, GPTQ_DEFAULTS
 
     for deco in reversed([
         click.option("--calibrate", is_flag=True,
@@ -237,11 +243,11 @@ def _calibrate_options(f):
                      help=f"With --calibrate: tokens of calibration text [default: {DEFAULT_TOKENS}]."),
         old_name("--calib-tokens", "calib_tokens", "--tokens", type=click.IntRange(min=1)),
         click.option("--act-order/--no-act-order", "act_order", default=None,
-                     help="With --calibrate: GPTQ columns in order of decreasing Hessian diagonal [default: the "
-                          "codecs' measured default]."),
+                     help="With --calibrate: GPTQ columns in order of decreasing Hessian diagonal "
+                          f"[default: {'on' if GPTQ_DEFAULTS['act_order'] else 'off'}]."),
         click.option("--damp", type=click.FloatRange(min=0, max=1, min_open=True), default=None, metavar="FRAC",
                      help="With --calibrate: GPTQ dampening, a fraction of the mean Hessian diagonal added to it "
-                          "[default: the codecs' measured default]."),
+                          f"[default: {GPTQ_DEFAULTS['damp']}]."),
         click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True,
                      help="With --calibrate: where GPTQ runs (cuda / npu where torch has them)."),
         click.option("--min-expert-tokens", type=click.IntRange(min=1), default=None, metavar="N",
@@ -335,6 +341,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
 
     if quiet and (verbose or show_shards):
         raise KimiQuantError(f"--quiet prints nothing: drop it or {'--verbose' if verbose else '--shards'}")
+    if calibrate:
+        require_torch("plan --calibrate (it measures this machine's GPTQ and forward rates)")
     cal = _calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens)
     _staging_options_for(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not _local_source(source)
@@ -493,8 +501,7 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 
 # -- convert ------------------------------------------------------------------------------------
 @main.command(short_help="Convert a BF16 checkpoint (dir or hub repo) for a device.")
-@_plan_options
-@click.option("--output", "-o", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@_plan_options(output=True)
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Worker processes (default: one per core).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Run units in local processes or as Ray tasks (pip install kimi-quant[ray]).")
@@ -545,6 +552,8 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
 
         resolve_target(target)
         _staging_options_for(source, revision, work_dir, max_disk, keep_source)
+        if calibrate or do_validate:
+            require_torch("--calibrate" if calibrate else "--validate")
         if max_ppl_increase is not None and not do_validate:
             raise KimiQuantError("--max-ppl-increase applies only with --validate")
         if hub_revision is not None and not push_to:
@@ -723,6 +732,12 @@ def demo(ctx, output, do_validate):
     from .model.synth import synth as run_synth
 
     out = Path(output)
+    if do_validate:
+        try:
+            require_torch("validation")
+        except KimiQuantError as e:
+            click.echo(f"note: the outputs are converted and verified, not validated: {e}")
+            do_validate = False
     src = out / "tiny-bf16"
     if not (src / "config.json").exists():  # config.json is written last: without it, an interrupted synth
         run_synth("tiny", src, overwrite=True)

@@ -27,3 +27,20 @@ class ValidationFailed(KimiQuantError):
     """The output converted fine but its perplexity rose past the user's bound (--max-ppl-increase)."""
 
     exit_code = 3
+
+
+#: how to get the CPU build of PyTorch (the default wheel on Linux is a multi-GB CUDA build)
+TORCH_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu (or torch from your registry)"
+
+
+def require_torch(what: str) -> None:
+    """Refuse ``what`` in one line when PyTorch is missing: converting, planning, verifying and publishing
+    run without it; the model's forward (validation, calibration) needs it."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # a module set to None, or one without a spec
+        found = False
+    if not found:
+        raise KimiQuantError(f"{what} runs the model in PyTorch, which is not installed: {TORCH_INSTALL}")

@@ -9,6 +9,8 @@ import click
 import pytest
 from conftest import kq
 
+from click.testing import CliRunner
+
 from kimi_quant.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,3 +169,22 @@ def test_plan_quiet_with_json_writes_only_the_file_and_verify_json(tmp_path):
     assert v["model_quant_type"] == plan["totals"]["model_quant_type"]
     assert v["bytes"] == plan["totals"]["out_bytes"]
     assert v["shards"] == len(plan["units"]) == len(list(out.glob("quant_model_weights-*.safetensors")))
+
+
+def test_help_defaults_of_gptq_options_are_gptqconfigs():
+    """--help states --act-order's and --damp's defaults from a table that must stay GPTQConfig's."""
+    import dataclasses
+
+    from kimi_quant.calibrate.config import GPTQ_DEFAULTS
+    from kimi_quant.quant.gptq import GPTQConfig
+
+    fields = {f.name: f.default for f in dataclasses.fields(GPTQConfig)}
+    assert GPTQ_DEFAULTS == {k: fields[k] for k in GPTQ_DEFAULTS}
+    out = CliRunner().invoke(main, ["convert", "--help"], terminal_width=200).output
+    assert f"[default: {GPTQ_DEFAULTS['damp']}]" in out and "measured default" not in out
+
+
+def test_convert_help_lists_output_right_after_target():
+    out = CliRunner().invoke(main, ["convert", "--help"], terminal_width=200).output
+    names = [line.split()[0].rstrip(",") for line in out.splitlines() if line.startswith("  -")]
+    assert names[:2] == ["-t", "-o"]

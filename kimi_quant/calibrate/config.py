@@ -14,6 +14,8 @@ DEFAULT_MIN_EXPERT_TOKENS = 32
 DEFAULT_EXPERT_BATCH = 32
 #: fewer calibration tokens than this cannot calibrate anything: refused
 MIN_TOKENS = 64
+#: GPTQConfig's defaults, for --help without importing torch (tests/test_cli_options.py checks they agree)
+GPTQ_DEFAULTS = {"act_order": True, "damp": 0.01}
 PROPAGATE = ("quantized", "bf16")
 
 

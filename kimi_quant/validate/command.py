@@ -86,6 +86,9 @@ def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increa
     A kimi-quant output is verified first (as `kimi-quant verify`): a damaged shard fails, with no
     ratio. The report, the verdict against --max-ppl-increase and the model card's numbers are
     written into a kimi-quant output, exactly as `convert --validate` does."""
+    from ..errors import require_torch
+
+    require_torch("validate")
     from ..journal import JOURNAL
     from ..lock import output_lock
     from ..verify import verify_output
