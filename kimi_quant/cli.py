@@ -312,7 +312,8 @@ def _staging_options_for(source: str, revision, work_dir, max_disk, keep_source=
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Executor the estimates assume (Ray: each worker as fast as one core of this machine).")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards would be staged.")
-@click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
+@click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}) "
+              "[default: the two largest source shards, or more if one output shard needs more].")
 @click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True),
               help="Hub sources: the download link in GB/s; the time is then the longer of converting and "
                    "downloading (with many workers, or Ray nodes, the link is the limit).")
@@ -512,7 +513,8 @@ def plan_summary(p, job: dict, work_dir=None) -> list[str]:
 @click.option("--work-dir", type=click.Path(file_okay=False),
               help="Hub sources: where shards are staged (default: hub/ORG--NAME in the kimi-quant cache: "
                    "$KIMI_QUANT_CACHE, else kimi-quant/ under $HF_HOME, $XDG_CACHE_HOME or ~/.cache).")
-@click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}).")
+@click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}) "
+              "[default: the two largest source shards, or more if one output shard needs more].")
 @click.option("--keep-source", is_flag=True, help="Hub sources: keep staged shards after use.")
 @click.option("--validate", "do_validate", is_flag=True, help="Measure perplexity vs BF16 after converting.")
 @click.option("--max-ppl-increase", type=float, default=None, metavar="PCT",
@@ -577,7 +579,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
         gc.freeze()  # this process's modules live to its end: its full collections need not walk them
     if do_validate:  # a model validation cannot run is refused before the conversion, not after it
         from .model.spec import load_model_spec
-        from .validate.forward import check_supported
+        from .runtime.forward import check_supported
 
         check_supported(load_model_spec(Path(source).expanduser()).text)
     source_options = {}
@@ -609,9 +611,9 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
         if p.packed_summary:
             click.echo(packed_source_line(p).removeprefix("source   "))
         if res.calibration is not None:
-            from .calibrate.config import describe
+            from .layout.model_card import describe_calibration
 
-            click.echo(f"calibration: {describe(res.calibration)}")
+            click.echo(f"calibration: {describe_calibration(res.calibration)}")
         if res.peak_staged_bytes is not None:
             click.echo(f"peak staging disk {_gb(res.peak_staged_bytes)}")
         click.echo(f"output: {res.out_dir}")
@@ -625,7 +627,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
 
 def _validate_after(source, out_dir, max_ppl_increase, quiet):
     from .lock import output_lock
-    from .validate.gate import record
+    from .layout.validation import record
     from .validate.run import format_table, run_validation
 
     lock = output_lock(out_dir).acquire()  # it writes into the output: no convert there meanwhile
@@ -653,7 +655,7 @@ def verify(output, no_rehash, json_path=None, quiet=False):
     validation failed (perplexity above --max-ppl-increase)."""
     from .verify import verify_output
 
-    from .validate.gate import failed_validation
+    from .layout.validation import failed_validation
 
     r = verify_output(output, rehash=not no_rehash, quiet=quiet)
     if json_path:
@@ -713,7 +715,7 @@ def synth(preset, output, overwrite, num_experts, seed, random_weights, shard_si
       kimi-quant synth --preset tiny -o tiny-bf16
       kimi-quant synth --preset tiny --experts mxfp4 -o tiny-released
       kimi-quant synth --preset full --experts mxfp4 --shard-size 16GiB -o k3-released   # headers only"""
-    from .model.synth import synth as run_synth
+    from .synth import synth as run_synth
 
     out = run_synth(preset, output, seed=seed, num_experts=num_experts, shard_size=shard_size,
                     random_weights=random_weights, progress=True, sparse=sparse, overwrite=overwrite,
@@ -729,7 +731,7 @@ def synth(preset, output, overwrite, num_experts, seed, random_weights, shard_si
 @click.pass_context
 def demo(ctx, output, do_validate):
     """Run the whole job on the bundled tiny K3.1-shaped model: synth -> convert (a3, 950dt) -> verify -> validate."""
-    from .model.synth import synth as run_synth
+    from .synth import synth as run_synth
 
     out = Path(output)
     if do_validate:

@@ -139,6 +139,6 @@ def finish_output(source: Source, plan: Plan, out_dir: Path, journal: Journal, o
     journal.record_writing(around)  # before writing: an --overwrite after a crash here still knows them
     write_metadata_files(out_dir, plan, source, prov, copied)
     journal.mark_complete([n for n in around if n not in (PROVENANCE, CARD)])  # validate rewrites these
-    from .validate.gate import rebind_validation
+    from .layout.validation import rebind_validation
 
     rebind_validation(out_dir, journal)  # a carried validation stands only while it measured these very files

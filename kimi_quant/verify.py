@@ -233,7 +233,7 @@ def verify_output(out_dir: str | Path, rehash: bool = True, quiet: bool = True) 
     config = _load_json(out_dir, "config.json")
     if "quantization_config" in config or "quantization_config" in (config.get("text_config") or {}):
         raise _fail(out_dir, "config.json still has quantization_config")
-    from .validate.gate import validation_void
+    from .layout.validation import validation_void
 
     void = validation_void(out_dir, journal, prov)  # a verdict about other files, or not covered: not this output's
     return {"shards": len(files), "tensors": len(shapes), "bytes": total,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Is ``convert --calibrate`` worse than data-free on the tiny K3.1 fixture, or is that noise?
 
-Converts the synthetic tiny fixture (``model.synth``) data-free and calibrated (GPTQ, --tokens
+Converts the synthetic tiny fixture (``synth``) data-free and calibrated (GPTQ, --tokens
 2048 of builtin:train, as tests/test_calibrate.py) for one target, then scores BF16, data-free and
 calibrated side by side on the validate text (builtin:heldout), one 512-token window at a time.  Prints
 both perplexity ratios for the first --tokens (what ``validate`` reports by default: 4096) and for all
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kimi_quant.calibrate import CalibConfig  # noqa: E402
 from kimi_quant.convert import ConvertOptions, convert  # noqa: E402
-from kimi_quant.model.synth import synth  # noqa: E402
+from kimi_quant.synth import synth  # noqa: E402
 from kimi_quant.validate import run as vr  # noqa: E402
-from kimi_quant.validate.weights import QuantizedLoader, SourceLoader  # noqa: E402
+from kimi_quant.runtime.weights import QuantizedLoader, SourceLoader  # noqa: E402
 
 
 def per_window_nll(src: Path, outs: list[Path], max_tokens: int, seq: int) -> np.ndarray:

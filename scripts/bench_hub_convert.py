@@ -109,7 +109,7 @@ def main() -> None:
     tmp = Path(args.work or tempfile.mkdtemp(prefix="kq-bench-hubconv-"))
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        from kimi_quant.model.synth import synth
+        from kimi_quant.synth import synth
 
         t = time.perf_counter()
         ck = synth("bench", tmp / "ckpt", num_experts=args.experts, shard_size=parse_size(args.shard_size))

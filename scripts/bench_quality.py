@@ -68,7 +68,7 @@ from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from kimi_quant.quant import get_codec  # noqa: E402
 from kimi_quant.quant import numerics as nm  # noqa: E402
 from kimi_quant.quant.gptq import GPTQConfig, gptq_quantize_bf16  # noqa: E402
-from kimi_quant.validate.calibration import load_texts  # noqa: E402
+from kimi_quant.runtime.text import load_texts  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROJ = {"q_proj": "up", "k_proj": "up", "v_proj": "up", "o_proj": "up", "gate_proj": "gate", "up_proj": "up",

@@ -12,7 +12,7 @@ by scripts/widen_tiny_experts.py, which zero-pads the experts and keeps every ou
 7.9815 before and after). Run now, this script trains natively at 64. Another torch version or CPU
 gives slightly different bits; the recipe and the seed are what is reproducible.
 
-Uses the validation reference forward (kimi_quant.validate.forward, chunked KDA) as the model, a
+Uses the validation reference forward (kimi_quant.runtime.forward, chunked KDA) as the model, a
 byte-level BPE tokenizer trained on the train split only (768 ranks + 256 specials = vocab 1024), and
 writes model.safetensors (BF16; F32 where the spec says so; exact names/shapes of
 ModelSpec.expected_tensors(), including the 4 vision tensors), tiktoken.model, config.json
@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 from kimi_quant.dtypes import f32_to_bf16  # noqa: E402
 from kimi_quant.model.presets import preset_config  # noqa: E402
 from kimi_quant.model.spec import spec_from_config  # noqa: E402
-from kimi_quant.validate import forward as fw  # noqa: E402
-from kimi_quant.validate.calibration import load_texts  # noqa: E402
-from kimi_quant.validate.tokenizer import Tokenizer, tokenizer_config, train_bpe, write_ranks  # noqa: E402
+from kimi_quant.runtime import forward as fw  # noqa: E402
+from kimi_quant.runtime.text import load_texts  # noqa: E402
+from kimi_quant.runtime.tokenizer import Tokenizer, tokenizer_config, train_bpe, write_ranks  # noqa: E402
 from kimi_quant.write.safetensors_writer import encode_header  # noqa: E402
 
 OUT = ROOT / "kimi_quant" / "model" / "fixtures" / "tiny"

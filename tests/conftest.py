@@ -31,7 +31,7 @@ def make_checkpoint(out: str | Path, text_overrides: dict | None = None, seed: i
     """
     from kimi_quant.model.presets import preset_config
     from kimi_quant.model.spec import spec_from_config
-    from kimi_quant.model.synth import _assign_shards, random_tensor
+    from kimi_quant.synth import _assign_shards, random_tensor
     from kimi_quant.write import ShardWriter, write_json_atomic
 
     out = Path(out)

@@ -15,7 +15,7 @@ from kimi_quant.calibrate import CalibConfig
 from kimi_quant.calibrate import run as calib_run
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.layout.ascend_v1 import PROVENANCE
-from kimi_quant.model.synth import synth
+from kimi_quant.synth import synth
 from kimi_quant.verify import verify_output
 
 from conftest import error_line, kq, snapshot
@@ -135,7 +135,7 @@ def test_calibrated_never_worse_than_data_free_on_validate(source, calibrated, t
 
 
 def test_rarely_routed_experts_fall_back_and_are_counted(source, tmp_path):
-    from kimi_quant.validate.weights import QuantizedLoader
+    from kimi_quant.runtime.weights import QuantizedLoader
 
     out = tmp_path / "fallback"
     cal = _convert(source, out, min_expert_tokens=10**9)  # no expert sees that many: all fall back
@@ -161,9 +161,9 @@ def test_never_routed_expert_is_a_stated_fallback(source, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     cal = _convert(src, tmp_path / "out", min_expert_tokens=1)
     assert cal["stats"]["never_routed_experts"] == 1
-    from kimi_quant.calibrate.config import describe
+    from kimi_quant.layout.model_card import describe_calibration
 
-    assert "1 never routed" in describe(cal)
+    assert "1 never routed" in describe_calibration(cal)
 
 
 def test_validate_and_card_say_calibrated(calibrated, source):

@@ -37,7 +37,7 @@ import torch
 import consumer_sources as cs
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.model.spec import spec_from_config
-from kimi_quant.model.synth import synth
+from kimi_quant.synth import synth
 from kimi_quant.quant import dequantize_prefixed
 from safetensors.torch import load_file
 

@@ -13,7 +13,7 @@ import torch
 from conftest import fresh_copy, snapshot
 from independent_decoder import E2M1, bf16, decode_linear, expected_scale_bias, read_checkpoint
 from kimi_quant.convert import ConvertOptions, convert
-from kimi_quant.model.synth import synth
+from kimi_quant.synth import synth
 
 TOP = ("version", "model_quant_type", "group_size", "metadata", "optional")
 SUFFIXES = ("weight", "weight_scale", "weight_offset", "scale_bias")
@@ -269,7 +269,7 @@ def test_an_output_overlapping_the_source_is_refused_and_the_source_kept(tiny_sr
 def test_a_validation_report_stands_only_while_the_shards_do(tmp_path):
     """convert --validate records a report; a no-op re-run keeps it, a run that rewrites shards drops it."""
     from conftest import kq
-    from kimi_quant.model.synth import synth as run_synth
+    from kimi_quant.synth import synth as run_synth
 
     src = run_synth("tiny", tmp_path / "src")
     out = tmp_path / "out"

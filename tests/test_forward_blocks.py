@@ -7,7 +7,7 @@ import torch
 
 from kimi_quant.model.presets import preset_config
 from kimi_quant.model.spec import spec_from_config
-from kimi_quant.validate import forward as fw
+from kimi_quant.runtime import forward as fw
 
 torch.set_num_threads(1)
 

@@ -95,7 +95,7 @@ def olah():
 
 @pytest.fixture(scope="module")
 def ckpts(olah, tmp_path_factory):
-    from kimi_quant.model.synth import synth
+    from kimi_quant.synth import synth
 
     base = tmp_path_factory.mktemp("hubconv")
     raw = synth("tiny", base / "synth", random_weights=True)

@@ -88,3 +88,68 @@ def test_no_private_names_across_modules():
 
 def test_the_checker_sees_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+#: The data flow, lowest first: a module imports only from its own layer or the layers before it.
+#: Shared basics; the codecs' numerics; reading sources; the model's description; recipes; the plan;
+#: writing files; the journal; the ascendV1 directory; running units; sizing; the model run on CPU
+#: (validation and calibration both use it, neither uses the other); one output run; the two schedulers
+#: (calibrated, then the data-free driver that dispatches to it); checking, validating, publishing; tools; the CLI.
+LAYERS = [
+    {"kimi_quant", "errors", "dtypes", "untrusted", "cache", "lock", "progress", "hashing", "targets", "options"},
+    {"quant"}, {"source"}, {"model"}, {"recipe"}, {"plan"}, {"write"}, {"journal"}, {"layout"},
+    {"executor"}, {"estimate"}, {"runtime"}, {"output_run"}, {"calibrate"}, {"convert"},
+    {"verify"}, {"validate"}, {"publish"}, {"synth"}, {"cli"},
+]
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _upward_imports(graph: dict[str, set[str]], layers: list[set[str]]) -> list[str]:
+    rank = {p: i for i, group in enumerate(layers) for p in group}
+    found = []
+    for m in sorted(graph):
+        for d in sorted(graph[m]):
+            a, b = _package(m), _package(d)
+            if a not in rank or b not in rank:
+                found.append(f"{a if a not in rank else b}: in no layer (add it to LAYERS)")
+            elif rank[b] > rank[a]:
+                found.append(f"{m} -> {d}")
+    return found
+
+
+def test_imports_follow_the_layers():
+    graph, _ = _imports(_modules())
+    assert _upward_imports(graph, LAYERS) == []
+
+
+def test_the_layer_checker_sees_an_upward_import():
+    graph = {"kimi_quant.quant.base": {"kimi_quant.plan"}, "kimi_quant.plan": {"kimi_quant.quant.base"}}
+    assert _upward_imports(graph, [{"quant"}, {"plan"}]) == ["kimi_quant.quant.base -> kimi_quant.plan"]
+    assert _upward_imports({"kimi_quant.new.x": set(), "kimi_quant.plan": {"kimi_quant.new.x"}}, [{"plan"}]) \
+        == ["new: in no layer (add it to LAYERS)"]
+
+
+def test_every_import_of_the_package_names_a_module_of_it():
+    """A module moved or renamed: every import of kimi_quant.* (lazy ones too) still finds its module."""
+    mods = _modules()
+    missing = []
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] == "kimi_quant" and target not in mods \
+                        and not all(f"{target}.{a.name}" in mods for a in node.names):
+                    missing.append(f"{m}: {target}")
+            elif isinstance(node, ast.Import):
+                missing += [f"{m}: {a.name}" for a in node.names
+                            if a.name.split(".")[0] == "kimi_quant" and a.name not in mods]
+    assert missing == []

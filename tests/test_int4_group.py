@@ -325,7 +325,7 @@ def test_convert_writes_the_per_group_layout_and_verify_checks_it(grouped, tmp_p
 
 
 def test_validate_reads_the_per_group_output(grouped, tiny_source):
-    from kimi_quant.validate.weights import QuantizedLoader
+    from kimi_quant.runtime.weights import QuantizedLoader
 
     from safetensors.torch import load_file
 
@@ -362,7 +362,7 @@ def test_calibrate_with_group_size(tmp_path):
 
     from kimi_quant.calibrate import CalibConfig
     from kimi_quant.convert import ConvertOptions, convert
-    from kimi_quant.model.synth import synth
+    from kimi_quant.synth import synth
     from kimi_quant.validate.run import run_validation
     from kimi_quant.verify import verify_output
 

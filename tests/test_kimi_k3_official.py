@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 import consumer_sources
 from kimi_quant.errors import BadCheckpoint, KimiQuantError
 from kimi_quant.model.spec import load_model_spec, spec_from_config
-from kimi_quant.validate import forward as fw
-from kimi_quant.validate.weights import EMBED_NAMES, HEAD_NAMES, SourceLoader
+from kimi_quant.runtime import forward as fw
+from kimi_quant.runtime.weights import EMBED_NAMES, HEAD_NAMES, SourceLoader
 
 torch.set_num_threads(1)
 

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from kimi_quant.model.spec import load_model_spec
 from kimi_quant.recipe.recipe import load_recipe
-from kimi_quant.validate import forward as fw
-from kimi_quant.validate.weights import EMBED_NAMES, HEAD_NAMES, SourceLoader
+from kimi_quant.runtime import forward as fw
+from kimi_quant.runtime.weights import EMBED_NAMES, HEAD_NAMES, SourceLoader
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
@@ -215,7 +215,7 @@ def test_kimi_linear_48b_inventory_plans_from_headers_only(tmp_path):
 
     from kimi_quant.convert import build_plan
     from kimi_quant.model.spec import spec_from_config
-    from kimi_quant.model.synth import write_header_only
+    from kimi_quant.synth import write_header_only
     from kimi_quant.source.local import LocalSource
 
     tensors = spec_from_config(KIMI_LINEAR_48B).expected_tensors()

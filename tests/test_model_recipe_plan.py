@@ -9,7 +9,7 @@ import pytest
 from kimi_quant.errors import KimiQuantError, RecipeError, UnsupportedTarget
 from kimi_quant.model.presets import preset_config
 from kimi_quant.model.spec import spec_from_config
-from kimi_quant.model.synth import synth
+from kimi_quant.synth import synth
 from kimi_quant.plan import make_plan
 from kimi_quant.recipe import load_recipe
 from kimi_quant.source import LocalSource

@@ -414,8 +414,8 @@ def test_publish_hub_revision_and_hidden_old_names(tmp_path):
 
 # -- 8. a bench checkpoint can be validated; the repo's hygiene -------------------------------------------
 def test_bench_checkpoint_has_a_tokenizer_within_its_vocabulary(tmp_path):
-    from kimi_quant.model.synth import synth
-    from kimi_quant.validate.run import token_windows
+    from kimi_quant.synth import synth
+    from kimi_quant.runtime.text import token_windows
 
     out = synth("bench", tmp_path / "bench", sparse=True)  # headers only: the files around them are real
     assert (out / "tiktoken.model").is_file() and (out / "tokenizer_config.json").is_file()

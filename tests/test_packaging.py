@@ -33,7 +33,7 @@ def test_wheel_ships_data_files(tmp_path):
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("kimi_quant-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    data = "kimi_quant/validate/calibration_data/"
+    data = "kimi_quant/runtime/calibration_data/"
     for split in ("heldout.jsonl", "train.jsonl", "README.md"):
         got = zipfile.ZipFile(wheel).read(data + split)
         assert got == (ROOT / "calibration" / split).read_bytes(), split

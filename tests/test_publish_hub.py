@@ -37,7 +37,7 @@ def hub(tmp_path):
 
 @pytest.fixture(scope="module")
 def synth_src(tmp_path_factory) -> Path:
-    from kimi_quant.model.synth import synth
+    from kimi_quant.synth import synth
 
     src = tmp_path_factory.mktemp("src")
     synth("tiny", src, random_weights=True)

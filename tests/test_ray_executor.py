@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kimi
 
 from kimi_quant.convert import ConvertOptions, build_plan, convert  # noqa: E402
 from kimi_quant.errors import BadCheckpoint, KimiQuantError  # noqa: E402
-from kimi_quant.model.synth import synth  # noqa: E402
+from kimi_quant.synth import synth  # noqa: E402
 from kimi_quant.source import open_source  # noqa: E402
 from kimi_quant.source.safetensors import SafetensorsReader  # noqa: E402
 

@@ -22,7 +22,7 @@ from compressed_tensors.quantization import QuantizationConfig, preset_name_to_s
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from kimi_quant.model.synth import synth  # noqa: E402
+from kimi_quant.synth import synth  # noqa: E402
 from kimi_quant.quant import decode_mxfp4  # noqa: E402
 
 EXPERT_TARGETS = [r"re:.*block_sparse_moe\.experts\.\d+\.(w1|w2|w3)$"]

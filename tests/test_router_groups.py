@@ -13,7 +13,7 @@ import torch
 from kimi_quant.errors import KimiQuantError
 from kimi_quant.model.presets import preset_config
 from kimi_quant.model.spec import spec_from_config
-from kimi_quant.validate import forward as fw
+from kimi_quant.runtime import forward as fw
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config  # noqa: E402

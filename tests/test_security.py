@@ -724,7 +724,7 @@ def test_a_source_shard_re_pointed_mid_run_is_never_converted(src, tmp_path, mon
 def test_validate_never_reads_a_shard_outside_the_directories_named(tmp_path, side, how):
     """validate reads both checkpoints through their indexes: an index naming ``../x`` or a shard
     that links out of its directory is refused in one line, like convert refuses it."""
-    from kimi_quant.model.synth import synth
+    from kimi_quant.synth import synth
 
     src = synth("tiny", tmp_path / "src")  # the trained fixture: it ships a tokenizer, which validate needs
     out = tmp_path / "out"

@@ -22,7 +22,7 @@ from kimi_quant.calibrate import CalibConfig  # noqa: E402
 from kimi_quant.calibrate import run as calib_run  # noqa: E402
 from kimi_quant.convert import ConvertOptions, convert  # noqa: E402
 from kimi_quant.layout.ascend_v1 import PROVENANCE  # noqa: E402
-from kimi_quant.model.synth import synth  # noqa: E402
+from kimi_quant.synth import synth  # noqa: E402
 from kimi_quant.source.safetensors import SafetensorsReader  # noqa: E402
 from kimi_quant.verify import verify_output  # noqa: E402
 from kimi_quant.write import ShardWriter  # noqa: E402

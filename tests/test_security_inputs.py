@@ -14,8 +14,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import error_line, kq  # noqa: E402
 
-from kimi_quant.model.synth import synth  # noqa: E402
-from kimi_quant.validate.tokenizer import NUM_SPECIAL, load_tokenizer  # noqa: E402
+from kimi_quant.synth import synth  # noqa: E402
+from kimi_quant.runtime.tokenizer import NUM_SPECIAL, load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import error_line, kq  # noqa: E402
 
 from kimi_quant.layout.ascend_v1 import PROVENANCE, VALIDATION  # noqa: E402
-from kimi_quant.model.synth import synth  # noqa: E402
+from kimi_quant.synth import synth  # noqa: E402
 
 VALIDATE = ("--max-tokens", "512", "--seq-len", "128", "-q")
 

@@ -22,7 +22,7 @@ from kimi_quant.convert import ConvertOptions, build_plan, convert
 from kimi_quant.errors import KimiQuantError
 from kimi_quant.executor.shards import split
 from kimi_quant.executor.unit import convert_unit
-from kimi_quant.model.synth import synth
+from kimi_quant.synth import synth
 from kimi_quant.plan import DEFAULT_MAX_SHARD_SIZE
 from kimi_quant.source import open_source
 from kimi_quant.write import PartWriter, ShardAssembly, ShardWriter

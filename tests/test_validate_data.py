@@ -7,8 +7,8 @@ import pytest
 import regex
 
 from kimi_quant.errors import KimiQuantError
-from kimi_quant.validate.calibration import CALIBRATION_DIR, load_texts
-from kimi_quant.validate.tokenizer import KIMI_PATTERN, load_tokenizer, read_ranks, train_bpe, write_ranks, Tokenizer
+from kimi_quant.runtime.text import CALIBRATION_DIR, load_texts
+from kimi_quant.runtime.tokenizer import KIMI_PATTERN, load_tokenizer, read_ranks, train_bpe, write_ranks, Tokenizer
 
 FIXTURE = Path(__file__).resolve().parents[1] / "kimi_quant" / "model" / "fixtures" / "tiny"
 

@@ -7,7 +7,7 @@ import torch
 
 convert_mod = pytest.importorskip("kimi_quant.convert")
 
-from kimi_quant.model.synth import synth  # noqa: E402
+from kimi_quant.synth import synth  # noqa: E402
 from kimi_quant.validate.run import run_validation  # noqa: E402
 
 torch.set_num_threads(1)

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from kimi_quant.validate import forward as fw
+from kimi_quant.runtime import forward as fw
 from kimi_quant.validate.run import run_validation
-from kimi_quant.validate.weights import LazyLayer, QuantizedLoader, SourceLoader
+from kimi_quant.runtime.weights import LazyLayer, QuantizedLoader, SourceLoader
 
 from test_validate_run import FIXTURE, _expert_types, write_ascend_dir
 

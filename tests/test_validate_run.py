@@ -136,7 +136,7 @@ def test_click_command(tmp_path):
 
 
 def test_quantized_loader_activation_modes(tmp_path):
-    from kimi_quant.validate.weights import QuantizedLoader, SourceLoader
+    from kimi_quant.runtime.weights import QuantizedLoader, SourceLoader
 
     q = write_ascend_dir(tmp_path / "q", quantize=_expert_types("W4A8_DYNAMIC", "W8A8_MXFP8"))
     with QuantizedLoader(q) as ql, SourceLoader(FIXTURE) as sl:

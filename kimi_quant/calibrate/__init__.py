@@ -16,7 +16,7 @@ Data flow (one decoder layer at a time, in order)::
 * ``layered``: the layer-ordered plan (same shard naming, index and description as ``convert``).
 * ``run``: the driver; ``estimate``: ``plan --calibrate``'s time and memory estimate.
 
-The forward is the validator's (:mod:`kimi_quant.validate.forward`), reached through its generic
+The forward is the validator's (:mod:`kimi_quant.runtime.forward`), reached through its generic
 ``observe_linear_inputs`` hook: one model implementation for validate and calibrate.
 """
 

@@ -21,7 +21,7 @@ PROPAGATE = ("quantized", "bf16")
 
 @dataclass(frozen=True)
 class CalibConfig:
-    """``calibration``: a file or shipped set (see :func:`kimi_quant.validate.calibration.load_texts`);
+    """``calibration``: a file or shipped set (see :func:`kimi_quant.runtime.text.load_texts`);
     ``tokens``: how many tokens of it; ``act_order`` / ``damp`` / ``device``: GPTQ settings (None:
     the GPTQ defaults); ``propagate``: the state carried to the next layer comes from the layer as
     quantized (``quantized``, GPTQ's sequential rule) or from the BF16 layer (``bf16``)."""
@@ -43,22 +43,3 @@ class CalibConfig:
         d.pop("device")
         d.pop("expert_batch")
         return d
-
-
-def describe(info: dict | None) -> str:
-    """One line on what calibrated an output (for convert's summary, validate and the model card)."""
-    if not info:
-        return "not calibrated (data-free rules)"
-    s = info.get("stats") or {}
-    fallback = s.get("fallback_experts", 0) + s.get("never_routed_experts", 0)
-    line = (f"GPTQ on {info.get('tokens')} tokens of {info.get('calibration')} "
-            f"(act_order {info.get('act_order') if info.get('act_order') is not None else 'default'}, "
-            f"damp {info.get('damp') if info.get('damp') is not None else 'default'}); "
-            f"{s.get('gptq_tensors', 0)} tensors calibrated, {s.get('data_free_tensors', 0)} data-free")
-    if s.get("routed_experts"):
-        line += (f"; {fallback} of {s['routed_experts']} routed experts fell back to the data-free rule "
-                 f"({s.get('never_routed_experts', 0)} never routed, {s.get('fallback_experts', 0)} with fewer than "
-                 f"{info.get('min_expert_tokens')} tokens)")
-    if s.get("no_gptq_codecs"):
-        line += f"; {s['no_gptq_codecs']} tensors data-free because this build's codecs have no GPTQ"
-    return line

@@ -46,10 +46,10 @@ from ..plan import Plan, TensorPlan, UnitPlan
 from ..quant.gptq import gptq_quantize
 from ..recipe.recipe import FLOAT
 from ..source.safetensors import SafetensorsReader
-from ..validate import forward as fw
-from ..validate.weights import ACT_OF_TYPE, EMBED_NAMES, HEAD_NAMES, WeightLoader
+from ..runtime import forward as fw
+from ..runtime.weights import ACT_OF_TYPE, EMBED_NAMES, HEAD_NAMES, WeightLoader
 from ..write import ShardWriter, write_atomic
-from .config import MIN_TOKENS, CalibConfig, describe  # noqa: F401  (describe: for callers)
+from .config import MIN_TOKENS, CalibConfig
 from .hessian import HessianCollector
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
@@ -77,8 +77,8 @@ def _tokenizer_dir(source) -> Iterator[Path]:
 
 def calibration_windows(source, cfg: CalibConfig, quiet: bool = True) -> tuple[list[torch.Tensor], dict]:
     """The calibration token windows and what identifies them (name, tokens, sha256 of the token ids)."""
-    from ..validate.run import token_windows
-    from ..validate.tokenizer import TIKTOKEN_FILE
+    from ..runtime.text import token_windows
+    from ..runtime.tokenizer import TIKTOKEN_FILE
 
     if cfg.tokens < MIN_TOKENS:
         raise KimiQuantError(f"--calib-tokens {cfg.tokens} is too few: GPTQ needs at least {MIN_TOKENS} tokens "

@@ -201,9 +201,8 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
     rules = recipe.get("rules") if isinstance(recipe, dict) else None
     if rules:
         lines.append("| Overrides | " + ", ".join(f"`{r.get('pattern')}={r.get('scheme')}`" for r in rules) + " |")
-    from ..calibrate.config import describe
 
-    lines.append(f"| Calibration | {describe(prov.get('calibration'))} |")
+    lines.append(f"| Calibration | {describe_calibration(prov.get('calibration'))} |")
     if verify_summary:
         lines.append(f"| Verified | {_plural(verify_summary.get('shards') or 0, 'shard')} checked against the "
                      "conversion journal (sha256) |")
@@ -249,3 +248,20 @@ def _per_group(desc: dict, types: dict) -> bool:
     """Per-group int4 experts (``--group-size``): what not every loader reads."""
     g = desc.get("group_size")
     return "W4A8_DYNAMIC" in types and isinstance(g, int) and not isinstance(g, bool) and g > 0
+
+
+def describe_calibration(info: dict | None) -> str:
+    """One line on what calibrated an output (for convert's summary, validate and the model card)."""
+    if not info:
+        return "not calibrated (data-free rules)"
+    s = info.get("stats") or {}
+    fallback = s.get("fallback_experts", 0) + s.get("never_routed_experts", 0)
+    line = (f"GPTQ on {info.get('tokens')} tokens of {info.get('calibration')} "
+            f"(act_order {info.get('act_order') if info.get('act_order') is not None else 'default'}, "
+            f"damp {info.get('damp') if info.get('damp') is not None else 'default'}); "
+            f"{s.get('gptq_tensors', 0)} tensors calibrated, {s.get('data_free_tensors', 0)} data-free")
+    if s.get("routed_experts"):
+        line += (f"; {fallback} of {s['routed_experts']} routed experts fell back to the data-free rule "
+                 f"({s.get('never_routed_experts', 0)} never routed, {s.get('fallback_experts', 0)} with fewer than "
+                 f"{info.get('min_expert_tokens')} tokens)")
+    return line

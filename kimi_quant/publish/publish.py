@@ -89,7 +89,7 @@ def check_output(output_dir: Path, force: bool = False) -> dict | None:
         if not (output_dir / s).is_file():
             raise PublishError(f"{output_dir}: shard {s} named in the index is missing; refusing to publish")
     try:
-        from ..validate.gate import failed_validation
+        from ..layout.validation import failed_validation
         from ..verify import verify_output
     except ImportError:  # older trees: the structural checks above are all we have
         return None

@@ -1,12 +1,8 @@
-"""Validation: perplexity of a quantized ascendV1 checkpoint against its BF16 source.
+"""Validation: perplexity of a quantized ascendV1 checkpoint against its source.
 
-* ``forward``: plain-torch fp32 reference forward of the K3 / K3.1 family, layer-streamed
-  (state between layers = (x, blocks)); KDA recurrent + chunked, gated NoPE MLA + DSA indexer,
-  sigmoid router, latent MoE with SiTU, block attention residuals; device activation fake-quant.
-* ``weights``: ``SourceLoader`` (BF16 source) and ``QuantizedLoader`` (ascendV1, dequantized by codecs).
-* ``tokenizer``: the checkpoint's own ``tiktoken.model`` with Kimi's pre-tokenizer and 256 specials.
-* ``calibration``: shipped text (calibration/) or the user's jsonl / txt / parquet / hub dataset.
-* ``run``: ``run_validation(source_dir, quant_dir, ...) -> report``; ``command``: ``kimi-quant validate``.
+* ``run``: ``run_validation(source_dir, quant_dir, ...) -> report``, both models run side by side
+  by ``kimi_quant.runtime``; ``command``: ``kimi-quant validate``. The report's record in an output
+  (verdict, card numbers) is ``kimi_quant.layout.validation``.
 
 Imports are lazy so that the CLI does not pay for torch until validation runs.
 """

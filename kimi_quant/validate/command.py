@@ -127,7 +127,7 @@ def validate(source, quantized, calibration, max_tokens, seq_len, max_ppl_increa
 
 def _report(source, quantized, report, max_ppl_increase, json_path, ours, force=False, mismatch=None):
     from ..layout.ascend_v1 import VALIDATION
-    from .gate import not_its_source, record
+    from ..layout.validation import not_its_source, record
     from .run import format_table
 
     wrong = not_its_source(report)

@@ -24,42 +24,12 @@ from typing import Any
 import torch
 
 from ..errors import KimiQuantError
-from . import forward as fw
-from .calibration import load_texts
-from .tokenizer import load_tokenizer
-from .weights import EMBED_NAMES, HEAD_NAMES, QuantizedLoader, SourceLoader, WeightLoader
+from ..runtime import forward as fw
+from ..runtime.text import token_windows
+from ..runtime.weights import EMBED_NAMES, HEAD_NAMES, QuantizedLoader, SourceLoader, WeightLoader
 
 CONVENTION = ("non-overlapping windows of seq_len tokens over the [EOS]-joined token stream; "
               "every token after the first of each window scored")
-
-
-def token_windows(model_dir: str | Path, calibration: str | Path | None, max_tokens: int, seq_len: int) \
-        -> list[torch.Tensor]:
-    """Batches of windows ([n, seq_len] for the full ones, then [1, rest] for a final short one)."""
-    if seq_len < 2:
-        raise KimiQuantError(f"--seq-len must be at least 2 (got {seq_len})")
-    if max_tokens < 2:
-        raise KimiQuantError(f"--tokens must be at least 2 (got {max_tokens})")
-    tok = load_tokenizer(model_dir)
-    ids: list[int] = []
-    for text in load_texts(calibration):
-        ids.extend(tok.encode(text))
-        if tok.eos_id is not None:
-            ids.append(tok.eos_id)
-        if len(ids) >= max_tokens:
-            break
-    ids = ids[:max_tokens]
-    if len(ids) < 2:
-        raise KimiQuantError("calibration text yields fewer than 2 tokens")
-    stream = torch.tensor(ids, dtype=torch.long)
-    n_full = len(ids) // seq_len
-    batches = []
-    if n_full:
-        batches.append(stream[: n_full * seq_len].view(n_full, seq_len))
-    rest = stream[n_full * seq_len:]
-    if len(rest) >= 2:
-        batches.append(rest.view(1, -1))
-    return batches
 
 
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
@@ -281,9 +251,9 @@ def format_table(report: dict[str, Any]) -> str:
                  f"ratio {report['ratio']:.4f}   ({report['tokens']} tokens scored, {report['windows']} windows "
                  f"of <= {report['seq_len']})")
     if "output_calibration" in report:
-        from ..calibrate.config import describe
+        from ..layout.model_card import describe_calibration
 
-        lines.append(f"output: {describe(report['output_calibration'])}")
+        lines.append(f"output: {describe_calibration(report['output_calibration'])}")
     if report.get("output_source_packing"):
         from ..plan import packed_words
 

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..dtypes import STORAGE, f32_to_bf16
-from ..quant import get_codec
-from ..source.compressed import CODES_SUFFIX, MX_BLOCK, SCALES_SUFFIX, mxfp4_quantization_config
-from ..source.safetensors import SafetensorsReader
-from ..write import ShardWriter, write_json_atomic
-from ..write.safetensors_writer import encode_header
-from ..errors import KimiQuantError
-from .presets import preset_config
-from .spec import spec_from_config
+from .dtypes import STORAGE, f32_to_bf16
+from .quant import get_codec
+from .source.compressed import CODES_SUFFIX, MX_BLOCK, SCALES_SUFFIX, mxfp4_quantization_config
+from .source.safetensors import SafetensorsReader
+from .write import ShardWriter, write_json_atomic
+from .write.safetensors_writer import encode_header
+from .errors import KimiQuantError
+from .model.presets import preset_config
+from .model.spec import spec_from_config
 
 FIXTURE_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "generation_config.json")
 
@@ -215,7 +215,7 @@ def synth(preset: str, output: str | Path, seed: int = 0, num_experts: int | Non
     total = 0
     bar = None
     if progress:
-        from ..progress import progress_bar
+        from .progress import progress_bar
 
         bar = progress_bar(sum(math.prod(s) * STORAGE[d].itemsize for s, d in tensors.values()), f"synth {preset}")
     try:

@@ -57,7 +57,7 @@ class LazyLayer(Mapping):
     """One layer's weights, relative names -> fp32 tensors. Everything but the routed experts is
     loaded up front; a routed expert's tensor is read (and dequantized) from the checkpoint each time
     it is looked up and not kept, so the caller holds at most the experts it is computing with
-    (:func:`kimi_quant.validate.forward.moe_many` looks each used expert up once per layer)."""
+    (:func:`kimi_quant.runtime.forward.moe_many` looks each used expert up once per layer)."""
 
     def __init__(self, loader: "WeightLoader", prefix: str, dense: dict[str, torch.Tensor], lazy: list[str]):
         self._loader = loader

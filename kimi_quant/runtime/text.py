@@ -1,7 +1,7 @@
 """Calibration / evaluation text: the shipped set, or a user's jsonl / txt / parquet file, or a hub dataset.
 
 ``load_texts(None)`` gives the shipped held-out split (calibration/heldout.jsonl, in the wheel as
-kimi_quant/validate/calibration_data/; licences in calibration/README.md). A path ending in ``.jsonl`` reads the ``text`` field of each line, ``.txt`` is
+kimi_quant/runtime/calibration_data/; licences in calibration/README.md). A path ending in ``.jsonl`` reads the ``text`` field of each line, ``.txt`` is
 one document, ``.parquet`` reads the ``text`` column (needs pyarrow). Names ``builtin:train`` and
 ``builtin:heldout`` pick a shipped split. Anything else that is not an existing file is taken as a
 Hugging Face dataset id (``org/name`` or ``org/name:split``), which needs the ``datasets`` package and
@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import KimiQuantError
+from .tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 # a link to the top-level calibration/ in a checkout; in a wheel, the shipped splits themselves
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibration_data"
@@ -106,3 +111,34 @@ def load_texts(spec: str | Path | None = None) -> list[str]:
     if path.suffix.lower() in (".jsonl", ".txt", ".parquet") or s.startswith((".", "/")):
         raise KimiQuantError(f"{path}: calibration file not found")
     return _hub(s)
+
+
+def token_windows(model_dir: str | Path, calibration: str | Path | None, max_tokens: int, seq_len: int) \
+        -> list[torch.Tensor]:
+    """Batches of windows ([n, seq_len] for the full ones, then [1, rest] for a final short one)."""
+    import torch
+
+    if seq_len < 2:
+        raise KimiQuantError(f"--seq-len must be at least 2 (got {seq_len})")
+    if max_tokens < 2:
+        raise KimiQuantError(f"--tokens must be at least 2 (got {max_tokens})")
+    tok = load_tokenizer(model_dir)
+    ids: list[int] = []
+    for text in load_texts(calibration):
+        ids.extend(tok.encode(text))
+        if tok.eos_id is not None:
+            ids.append(tok.eos_id)
+        if len(ids) >= max_tokens:
+            break
+    ids = ids[:max_tokens]
+    if len(ids) < 2:
+        raise KimiQuantError("calibration text yields fewer than 2 tokens")
+    stream = torch.tensor(ids, dtype=torch.long)
+    n_full = len(ids) // seq_len
+    batches = []
+    if n_full:
+        batches.append(stream[: n_full * seq_len].view(n_full, seq_len))
+    rest = stream[n_full * seq_len:]
+    if len(rest) >= 2:
+        batches.append(rest.view(1, -1))
+    return batches
