@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import BadCheckpoint, KimiQuantError
-from ..model.spec import TextConfig
+from ..model.config import TextConfig
 
 Weights = dict[str, torch.Tensor]
 
