@@ -247,3 +247,12 @@ def test_mx_element_error_helpers_exhaustive():
         ys = y[y < lim]
         want = ys - round_fn(ys)[1]
         assert np.array_equal(errs(ys, fp8).view(np.uint32), want.view(np.uint32)), fp8
+
+
+def test_every_codec_declares_the_activation_quantizer_the_forward_simulates():
+    from kimi_quant.quant import REGISTRY
+    from kimi_quant.runtime.forward import ACT_QUANT
+
+    assert {name: c.activation for name, c in REGISTRY.items()} == {
+        "W4A8_DYNAMIC": "int8", "W8A8_DYNAMIC": "int8", "W4A8_MXFP": "mxfp8", "W8A8_MXFP8": "mxfp8"}
+    assert {c.activation for c in REGISTRY.values()} <= set(ACT_QUANT)

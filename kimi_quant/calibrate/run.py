@@ -47,7 +47,8 @@ from ..quant.gptq import gptq_quantize
 from ..recipe.recipe import FLOAT
 from ..source.safetensors import SafetensorsReader
 from ..runtime import forward as fw
-from ..runtime.weights import ACT_OF_TYPE, EMBED_NAMES, HEAD_NAMES, WeightLoader
+from ..quant import REGISTRY
+from ..runtime.weights import EMBED_NAMES, HEAD_NAMES, WeightLoader
 from ..write import ShardWriter, write_atomic
 from .config import MIN_TOKENS, CalibConfig
 from .hessian import HessianCollector
@@ -474,8 +475,7 @@ def _layer(tcfg, i: int, weights: _SourceWeights, states: list, writer: _UnitWri
     by_stage = {s: [t for t in tensors if stage[t.name][0] == s] for s in (ATTENTION, MLP, EXPERTS)}
     quantized = lambda ts: [rel[t.name] for t in ts if t.scheme != FLOAT]  # noqa: E731
     propagate = cfg.propagate == "quantized"
-    act = {rel[t.name]: ACT_OF_TYPE.get(t.scheme) for t in tensors if t.scheme != FLOAT and propagate}
-    act = {k: v for k, v in act.items() if v}
+    act = {rel[t.name]: REGISTRY[t.scheme].activation for t in tensors if t.scheme != FLOAT and propagate}
     coll = HessianCollector()
     deq: dict[str, torch.Tensor] = {}
 

@@ -86,6 +86,9 @@ class Codec:
     name: ClassVar[str]
     #: rank in model_quant_type ordering (highest present wins); None never counts
     rank: ClassVar[int | None] = None
+    #: how the device quantizes this Linear's input: "int8" (per token, dynamic) or "mxfp8" (E4M3 in
+    #: blocks of 32 with E8M0 scales); validation and calibration simulate it
+    activation: ClassVar[str]
     #: outputs stored as U8 that hold E8M0 scales (0xFF is their NaN: never written)
     e8m0_outputs: ClassVar[tuple[str, ...]] = ()
     #: the suffixes ``dequantize`` reads

@@ -28,6 +28,7 @@ class W4A8Dynamic(Codec):
 
     name = "W4A8_DYNAMIC"
     rank = None  # never counts for model_quant_type
+    activation = "int8"
     reads_group_size = True
 
     def __init__(self, group_size: int = 0):
@@ -145,6 +146,7 @@ class W8A8Dynamic(Codec):
 
     name = "W8A8_DYNAMIC"
     rank = 1
+    activation = "int8"
 
     def __init__(self, pow2_scale: bool = False):
         self.pow2_scale = bool(pow2_scale)

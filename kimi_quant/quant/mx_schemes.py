@@ -15,6 +15,7 @@ class _MX(Codec):
 
     elem: str  # numerics.MX_ELEMENTS key
     e8m0_outputs = ("weight_scale",)
+    activation = "mxfp8"
 
     @staticmethod
     def _pack(code: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ import torch
 from ..dtypes import to_f32
 from ..errors import BadCheckpoint, KimiQuantError
 from ..model.spec import ModelSpec, load_model_spec
-from ..quant import decode_mxfp4
+from ..quant import REGISTRY, decode_mxfp4
 from ..source.compressed import CODES_SUFFIX, MX_BLOCK, SCALES_SUFFIX, check_mxfp4_scales, packing_declared
 from ..source.local import LocalSource
 from ..source.safetensors import SafetensorsReader
@@ -36,14 +36,6 @@ QUANT_INDEX = "quant_model_weights.safetensors.index.json"
 SOURCE_INDEX = "model.safetensors.index.json"
 SOURCE_SINGLE = "model.safetensors"
 
-#: activation quantizer the device applies before a Linear of each type
-ACT_OF_TYPE = {
-    "FLOAT": None,
-    "W8A8_DYNAMIC": "int8",
-    "W4A8_DYNAMIC": "int8",
-    "W8A8_MXFP8": "mxfp8",
-    "W4A8_MXFP": "mxfp8",
-}
 QUANT_SUFFIXES = ("weight_scale", "weight_offset", "scale_bias", "weight_scale_second", "weight_offset_second")
 EMBED_NAMES = ("model.embed_tokens.weight",)
 HEAD_NAMES = ("model.norm.weight", "model.output_attn_res_norm.weight", "model.output_attn_res_proj.weight",
@@ -280,10 +272,12 @@ class QuantizedLoader(WeightLoader):
 
     def act_of(self, name: str) -> str | None:
         qtype = self.type_of(name)
-        if qtype not in ACT_OF_TYPE:
+        if qtype == "FLOAT":
+            return None
+        if qtype not in REGISTRY:
             raise KimiQuantError(f"{self.root}: tensor {name!r} has type {qtype!r}, which validation cannot "
-                                 f"simulate (supported: {', '.join(ACT_OF_TYPE)})")
-        return ACT_OF_TYPE[qtype]
+                                 f"simulate (supported: FLOAT, {', '.join(sorted(REGISTRY))})")
+        return REGISTRY[qtype].activation
 
     def tensor(self, name: str, release: bool = False) -> tuple[torch.Tensor, str | None]:
         qtype = self.type_of(name)
