@@ -546,8 +546,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
     (resumable per layer) and needs the source's tokenizer.
     """
     # No collections while the converter loads (numpy, the converter's modules, the fork server's start):
-    # what that makes lives to the end anyway, and collecting it as it came cost ~12 ms of the start-up
-    # (the driver's collections: 21 ms a run before, 8.5 after), while one core works alone.
+    # what that makes lives to the end anyway, and collecting it as it comes only delays the start-up.
     # gc.freeze() then keeps it out of every later collection.
     with _collector_paused():
         from .targets import resolve_target
