@@ -149,3 +149,14 @@ def test_convert_pauses_the_collector_while_it_loads_only(tiny_source, tmp_path,
     assert (r.exit_code == 0) == (target == "950dt"), r.output
     assert seen[0] is False  # the first call: convert checks the target before anything else
     assert gc.isenabled()
+
+
+def test_a_kimi_quant_output_given_as_the_source_is_named_so(tiny_source, tmp_path):
+    out = tmp_path / "a3"
+    assert kq("convert", tiny_source, "-t", "a3", "-o", out, "-q").returncode == 0
+    for cmd in (["plan", out, "-t", "950dt"], ["convert", out, "-t", "950dt", "-o", tmp_path / "again"]):
+        r = kq(*cmd)
+        assert r.returncode == 2
+        line = error_line(r.stderr)
+        assert "already quantized (by kimi-quant for a3, ascendV1" in line and "made from" in line, line
+    assert not (tmp_path / "again").exists()

@@ -96,7 +96,8 @@ def test_the_checker_sees_a_cycle():
 #: (validation and calibration both use it, neither uses the other); one output run; the two schedulers
 #: (calibrated, then the data-free driver that dispatches to it); checking, validating, publishing; tools; the CLI.
 LAYERS = [
-    {"kimi_quant", "errors", "dtypes", "untrusted", "cache", "lock", "progress", "hashing", "targets", "options"},
+    {"kimi_quant", "errors", "dtypes", "untrusted", "cache", "lock", "progress", "hashing", "targets", "options",
+     "output_files"},
     {"quant"}, {"source"}, {"model"}, {"recipe"}, {"plan"}, {"write"}, {"journal"}, {"layout"},
     {"executor"}, {"estimate"}, {"runtime"}, {"output_run"}, {"calibrate"}, {"convert"},
     {"verify"}, {"validate"}, {"publish"}, {"synth"}, {"cli"},

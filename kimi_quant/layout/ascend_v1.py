@@ -16,7 +16,7 @@ from ..plan import Plan
 from ..source.base import SINGLE_FILE, WEIGHT_INDEX, Source
 from ..untrusted import inside
 from ..write import write_atomic, write_json_atomic
-from .files import CALIB_STATE, CARD, DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION  # noqa: F401
+from ..output_files import CALIB_STATE, CARD, DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION  # noqa: F401
 from .model_card import model_card
 
 MAX_COPIED_FILE = 64 * 1024 * 1024  # "small files": configs, code, tokenizer, docs

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP, model_quant_type_meaning, packed_words
 from ..progress import fmt_bytes, fmt_size
-from .files import CARD, DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION  # noqa: F401 (CARD: its name)
+from ..output_files import CARD, DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION  # noqa: F401 (CARD: its name)
 
 SOURCE_README = "SOURCE_README.md"
 #: the first line of the card's body: tells our card from a source card copied by an older kimi-quant

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KimiQuantError
+from ..output_files import INDEX as OUTPUT_INDEX
 from ..source.base import SINGLE_FILE, WEIGHT_INDEX
 from ..source.local import LocalSource
 from ..untrusted import parse_json
@@ -297,9 +298,6 @@ def load_model_spec(source_dir: str | Path) -> ModelSpec:
     return spec if names is None else spec.for_tensors(names, str(source_dir))
 
 
-# an ascendV1 output lists its tensors here (layout/ascend_v1.py's INDEX; not imported: layout imports plan,
-# which imports this module)
-_OUTPUT_INDEX = "quant_model_weights.safetensors.index.json"
 
 
 def _local_tensor_names(root: Path) -> list[str] | None:
@@ -307,8 +305,8 @@ def _local_tensor_names(root: Path) -> list[str] | None:
     output's index; None when there is none (or the output's index is unreadable: its loader says so)."""
     if (root / WEIGHT_INDEX).is_file() or (root / SINGLE_FILE).is_file():
         return list(LocalSource(root).weight_map())
-    if (root / _OUTPUT_INDEX).is_file():
-        index = LocalSource(root).read_json(_OUTPUT_INDEX)
+    if (root / OUTPUT_INDEX).is_file():
+        index = LocalSource(root).read_json(OUTPUT_INDEX)
         wm = index.get("weight_map") if isinstance(index, dict) else None
         return [str(n) for n in wm] if isinstance(wm, dict) else None
     return None

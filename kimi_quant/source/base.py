@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import BadCheckpoint
+from ..errors import BadCheckpoint, KimiQuantError
+from ..output_files import DESCRIPTION, PROVENANCE
 from ..untrusted import parse_json, unsafe_name, vetted_identity
 from .safetensors import TensorInfo
 
@@ -110,4 +111,16 @@ class Source:
             return dict(wm)
         if SINGLE_FILE in names:
             return {t: SINGLE_FILE for t in self.header(SINGLE_FILE)}
+        if DESCRIPTION in names:
+            raise BadCheckpoint(f"{self.id}: already quantized ({self._quantized_for()}ascendV1, {DESCRIPTION}): "
+                                "convert the checkpoint it was made from (BF16, or the MXFP4 release)")
         raise BadCheckpoint(f"{self.id}: no {WEIGHT_INDEX} and no {SINGLE_FILE}: not a safetensors checkpoint")
+
+    def _quantized_for(self) -> str:
+        """'by kimi-quant for a3, ' when an ascendV1 output's provenance says so (else nothing)."""
+        try:
+            provenance = self.read_json(PROVENANCE)
+        except (KimiQuantError, OSError):  # a missing or unreadable provenance only shortens the message
+            return ""
+        target = provenance.get("target") if isinstance(provenance, dict) else None
+        return f"by kimi-quant for {target}, " if isinstance(target, str) and len(target) < 40 else ""
