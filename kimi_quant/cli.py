@@ -656,16 +656,25 @@ def verify(output, no_rehash, json_path=None, quiet=False):
 
     from .layout.validation import failed_validation
 
-    r = verify_output(output, rehash=not no_rehash, quiet=quiet)
-    if json_path:
+    def write_result(result: dict) -> None:
         from .write import write_atomic
 
         try:
-            write_atomic(json_path, json.dumps(r, indent=1, default=str).encode())
+            write_atomic(json_path, json.dumps(result, indent=1, default=str).encode())
         except OSError as e:
             raise KimiQuantError(f"{json_path}: cannot write the result ({e.strerror or e})") from None
+
+    try:
+        r = verify_output(output, rehash=not no_rehash, quiet=quiet)
+    except KimiQuantError as e:
+        if json_path:  # the file says it too: "ok" false, the one line, the exit code
+            write_result({"ok": False, "error": str(e), "exit_code": e.exit_code})
+        raise
     v = r.get("validation")
     failed = failed_validation(v)
+    if json_path:
+        write_result({"ok": not failed, "error": f"{failed} (publish refuses it unless --force)" if failed else None,
+                      "exit_code": ValidationFailed.exit_code if failed else 0, **r})
     if not quiet:
         click.echo(f"ok: {_count(r['shards'], 'shard')}, {r['tensors']} tensors, {_gb(r['bytes'])}, "
                    f"model_quant_type {r['model_quant_type']}")

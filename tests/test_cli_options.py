@@ -169,6 +169,16 @@ def test_plan_quiet_with_json_writes_only_the_file_and_verify_json(tmp_path):
     assert v["model_quant_type"] == plan["totals"]["model_quant_type"]
     assert v["bytes"] == plan["totals"]["out_bytes"]
     assert v["shards"] == len(plan["units"]) == len(list(out.glob("quant_model_weights-*.safetensors")))
+    assert v["ok"] is True and v["error"] is None and v["exit_code"] == 0
+    # a damaged output: the file says so as well as the exit code and the one line
+    shard = sorted(out.glob("quant_model_weights-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    r = kq("verify", out, "-q", "--json", tmp_path / "verify.json")
+    v = json.loads((tmp_path / "verify.json").read_text())
+    assert r.returncode == 2 and v["ok"] is False and v["exit_code"] == 2
+    assert v["error"] in r.stderr and shard.name in v["error"]
 
 
 def test_help_defaults_of_gptq_options_are_gptqconfigs():
