@@ -191,7 +191,7 @@ PLAN_OPTIONS = {"source": None, "target": "--target", "recipe": "--recipe", "ove
                 "max_shard_size": "--max-shard-size", "revision": "--revision", "group_size": "--group-size",
                 "calibrate": "--calibrate"}
 #: a calibrated run's settings, as the journal records them under "calibrate" -> their flag
-CALIB_OPTIONS = {"calibration": "--calibration", "tokens": "--calib-tokens", "act_order": "--act-order",
+CALIB_OPTIONS = {"calibration": "--calibration-data", "tokens": "--tokens", "act_order": "--act-order",
                  "damp": "--damp", "min_expert_tokens": "--min-expert-tokens"}
 
 
@@ -265,15 +265,17 @@ def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out
         for k in changed:
             was, now = recorded.get(k), options.get(k)
             name = PLAN_OPTIONS[k] or "SOURCE"
-            named.append(f"{name} was {_shown(was)}, now {_shown(now)}")
+            named.append(f"{name} was {_shown(was, k)}, now {_shown(now, k)}")
         what = "; ".join(named) if named else ("same options, but " + _why_same_options(journal.start, summary))
         flags = _flags(recorded, changed)
         import shlex
 
-        finish = f"to finish it, pass {shlex.join(flags)}; " if flags and "source" not in changed else ""
+        # a finished output needs no finishing: the command is the one that made it (and would check it)
+        verb = "keep" if journal.complete else "finish"
+        finish = f"to {verb} it, pass {shlex.join(flags)}; " if flags and "source" not in changed else ""
         raise KimiQuantError(f"{out_dir} holds another conversion ({what}); {finish}use --overwrite to replace "
-                             f"it{lose}, or choose another --output; the command that finishes it: "
-                             f"{finish_command(recorded, out_dir)}")
+                             f"it{lose}, or choose another --output; the command that "
+                             f"{'made' if journal.complete else 'finishes'} it: {finish_command(recorded, out_dir)}")
     diffs = [f"{k} {journal.start.get(k)!r} -> {v!r}" for k, v in summary.items() if journal.start.get(k) != v]
     what = "; ".join(diffs) if diffs else "the plan differs (source, recipe or shard size)"
     old_rev = journal.start.get("revision")
@@ -282,9 +284,14 @@ def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out
                          "or choose another --output")
 
 
-def _shown(v) -> str:
+def _shown(v, key: str = "") -> str:
     if v in (None, [], ()):
         return "not given"
+    if key == "max_shard_size" and isinstance(v, int) and v > 0:  # as it was typed: 4GiB, 128MB
+        for unit, size in (("GiB", 1 << 30), ("GB", 10**9), ("MiB", 1 << 20), ("MB", 10**6), ("KiB", 1 << 10),
+                           ("KB", 10**3)):
+            if v % size == 0:
+                return f"{v // size}{unit}"
     if isinstance(v, dict):  # --calibrate's settings
         import shlex
 

@@ -157,11 +157,11 @@ def test_rerun_with_a_left_out_option_names_it(tiny_source, tmp_path):
     before = sorted(p.name for p in out.iterdir())
     r = kq("convert", tiny_source, *target_args("a3"), "-o", out, "-q")
     line = error_line(r.stderr)
-    assert "--max-shard-size was 1000000, now 4294967296" in line
+    assert "--max-shard-size was 1MB, now 4GiB" in line
     assert "--override was '*.layers.3.*=FLOAT', now not given" in line
     n_shards = len(list(out.glob("quant_model_weights-*.safetensors")))
     assert f"discarding its {n_shards} finished shards" in line
-    cmd = line.split("the command that finishes it: ")[1]
+    cmd = line.split("the command that made it: ")[1]  # a finished output: nothing to finish
     assert sorted(p.name for p in out.iterdir()) == before  # nothing touched
     import shlex
 

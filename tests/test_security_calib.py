@@ -198,9 +198,9 @@ def test_other_calibration_settings_are_named_and_the_finish_command_carries_the
     assert r.returncode == 0, r.stderr
     r = kq("convert", source, "-t", "a3", "-o", out, "-q", "--calibrate", "--calib-tokens", "1024", "--workers", "1")
     line = error_line(r.stderr)
-    assert r.returncode == 2 and "--calibrate was" in line and "--calib-tokens 512" in line, line
+    assert r.returncode == 2 and "--calibrate was" in line and "--tokens 512" in line, line
     assert "the source's shards" not in line
-    finish = line.split("the command that finishes it: ", 1)[1]
+    finish = line.split("the command that made it: ", 1)[1]
     args = shlex.split(finish)
     assert args[:2] == ["kimi-quant", "convert"] and "--calibrate" in args and "--damp" in args, finish
     again = kq(*args[1:], "-q")
