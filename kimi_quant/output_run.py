@@ -7,13 +7,13 @@ layer-sequential calibrated one (``calibrate.run``) both drive it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import KimiQuantError
 from .hashing import sha256_files
 from .journal import Journal
+from .layout.records import read_provenance
 from .layout.ascend_v1 import (CARD, DESCRIPTION, INDEX, PROVENANCE, VALIDATION, files_to_copy, output_name,
                                provenance, write_metadata_files)
 from .plan import Plan
@@ -58,11 +58,8 @@ def check_window(max_disk: int | None, todo: list, entries: dict) -> None:
 def carry_validation(out_dir: Path, prov: dict) -> None:
     """A validation report (--validate) stands while no shard was rewritten (``convert`` deletes it
     before rewriting any): keep its summary in the new provenance."""
-    try:
-        old = json.loads((out_dir / PROVENANCE).read_text())
-    except (OSError, ValueError):
-        return
-    if (out_dir / VALIDATION).exists() and isinstance(old, dict) and "validation" in old:
+    old = read_provenance(out_dir)
+    if (out_dir / VALIDATION).exists() and "validation" in old:
         prov["validation"] = old["validation"]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP, model_quant_type_meaning, packed_words
 from ..progress import fmt_bytes, fmt_size
 from ..output_files import CARD, DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION  # noqa: F401 (CARD: its name)
+from .records import read_provenance, read_record
 
 SOURCE_README = "SOURCE_README.md"
 #: the first line of the card's body: tells our card from a source card copied by an older kimi-quant
@@ -23,14 +24,6 @@ TARGET_WORDS = {
     "a3": ("Atlas 800I A3 / Atlas 900 A3 SuperPoD", "W4A8 integer: int4 weights, int8 dynamic activations"),
     "950dt": ("Ascend 950DT", "W4A8 MXFP: MXFP4 weights, MXFP8 dynamic activations"),
 }
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else None
-    except (OSError, ValueError, RecursionError):
-        return None
 
 
 def is_ours(path: Path) -> bool:
@@ -127,12 +120,12 @@ def validation_lines(prov: dict, report: dict | None) -> list[str]:
 def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dict | None = None) -> str:
     """The card of ``output_dir`` (``repo_id``: where it is published, for the title and the serving lines)."""
     output_dir = Path(output_dir)
-    prov = read_json(output_dir / PROVENANCE) or {}
-    report = read_json(output_dir / VALIDATION)
+    prov = read_provenance(output_dir)
+    report = read_record(output_dir / VALIDATION)
     if verify_summary and verify_summary.get("validation_void"):  # numbers about other files: not shown
         prov, report = {k: v for k, v in prov.items() if k != "validation"}, None
-    desc = read_json(output_dir / DESCRIPTION) or {}
-    index = read_json(output_dir / INDEX) or {}
+    desc = read_record(output_dir / DESCRIPTION) or {}
+    index = read_record(output_dir / INDEX) or {}
     source = str(prov.get("source") or "unknown")
     if not _is_repo_id(source) and source != "unknown":
         source = LOCAL_SOURCE  # an older provenance's local path: someone's disk layout, not for a card

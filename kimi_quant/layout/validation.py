@@ -18,6 +18,7 @@ from ..errors import KimiQuantError, ValidationFailed
 from ..journal import JOURNAL, Journal
 from ..layout.ascend_v1 import LOCAL_SOURCE, PROVENANCE, VALIDATION
 from ..layout.model_card import CARD
+from .records import read_provenance, read_record
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def validation_void(out_dir: Path, journal: Journal, prov: dict) -> str | None:
         return None
     if PROVENANCE not in journal.metadata:
         return "its verdict is not covered by the journal (recorded by an older kimi-quant, or edited)"
-    report = _read_json(out_dir / VALIDATION)
+    report = read_record(out_dir / VALIDATION)
     inputs = report.get("inputs") if isinstance(report, dict) else None
     if not isinstance(inputs, dict) or inputs.get("output_sha256") != output_digest(journal):
         return "the output changed since it was validated"
@@ -102,23 +103,16 @@ def validation_void(out_dir: Path, journal: Journal, prov: dict) -> str | None:
     return None
 
 
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
-        return None
-
-
 def rebind_validation(out_dir: Path, journal: Journal) -> None:
     """After convert rewrote the files around the shards: a carried validation stays (covered again by
     the journal) only while its report names this very output; otherwise it is dropped, with one line."""
     from ..layout.model_card import model_card
     from ..write import write_atomic, write_json_atomic
 
-    prov = _read_json(out_dir / PROVENANCE)
+    prov = read_record(out_dir / PROVENANCE)
     if not isinstance(prov, dict) or "validation" not in prov:
         return
-    report = _read_json(out_dir / VALIDATION)
+    report = read_record(out_dir / VALIDATION)
     inputs = report.get("inputs") if isinstance(report, dict) else None
     if (isinstance(inputs, dict) and inputs.get("output_sha256") == output_digest(journal)
             and isinstance(prov["validation"], dict) and prov["validation"].get("inputs_sha256") == _digest(inputs)):
@@ -161,7 +155,7 @@ def record(out_dir: str | Path, report: dict, max_ppl_increase: float | None, so
         shown = {**report, "source": LOCAL_SOURCE, "quantized": "this output"}  # no local paths published
         write_json_atomic(out_dir / VALIDATION, {**shown, "max_ppl_increase_pct": max_ppl_increase,
                                                  "passed": verdict["passed"], "inputs": inputs})
-        prov = json.loads((out_dir / PROVENANCE).read_text())
+        prov = read_provenance(out_dir)
         prov["validation"] = {**verdict, "inputs_sha256": _digest(inputs)}
         write_json_atomic(out_dir / PROVENANCE, prov)
         journal.mark_complete(sorted(set(journal.metadata) | {PROVENANCE, VALIDATION}))  # the verdict, covered

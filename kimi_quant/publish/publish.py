@@ -39,7 +39,7 @@ from ..hashing import sha256_file
 from ..journal import JOURNAL, Journal
 from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 from ..layout.model_card import CARD, SOURCE_README, is_ours, model_card as _card
-from ..layout.model_card import read_json as _read_json
+from ..layout.records import read_provenance
 from ..lock import OUTPUT_LOCK
 from ..progress import fmt_bytes
 from ..source.hub import retry_after
@@ -142,7 +142,7 @@ def upload_set(output_dir: Path, repo_id: str, verify_summary: dict | None, card
     """The files to upload: what kimi-quant wrote (``written_by_kimi_quant``) and what matches an
     ``include`` pattern (fnmatch on the path in the output); the rest is named in ``left_out``."""
     items: list[_Item] = []
-    prov = _read_json(output_dir / PROVENANCE) or {}
+    prov = read_provenance(output_dir)
     known = {k: v.get("sha256") for k, v in (prov.get("outputs") or {}).items() if isinstance(v, dict)}
     has_source_card = (output_dir / SOURCE_README).is_file()
     ours = written_by_kimi_quant(output_dir)

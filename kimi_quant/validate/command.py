@@ -24,14 +24,13 @@ class _OneLineError(click.ClickException):
 def _check_source(source: Path, quantized: Path) -> str | None:
     """Refuse a SOURCE whose shards differ from those the output's provenance records (size, and the
     sha256 where both sides know it; nothing is hashed here): another checkpoint gives a meaningless ratio."""
-    import json
 
     from ..layout.ascend_v1 import PROVENANCE
+    from ..layout.records import read_provenance
     from ..source.local import LocalSource
 
-    try:
-        inputs = json.loads((quantized / PROVENANCE).read_text()).get("inputs") or {}
-    except (OSError, ValueError, AttributeError):
+    inputs = read_provenance(quantized).get("inputs")
+    if not isinstance(inputs, dict):
         return None  # nothing to compare with
     here = {f.name: f for f in LocalSource(source).files()}
     for name, rec in sorted(inputs.items()):

@@ -225,13 +225,9 @@ def run_validation(source_dir: str | Path, quant_dir: str | Path, calibration: s
 def _recorded(quant_dir: str | Path, key: str) -> dict | None:
     """What the output's provenance records under ``key`` (None where it has none, or no provenance):
     its ``calibration`` (``convert --calibrate``), its ``source_packing`` (an MXFP4-packed source)."""
-    from ..layout.ascend_v1 import PROVENANCE
+    from ..layout.records import recorded
 
-    try:
-        value = json.loads((Path(quant_dir) / PROVENANCE).read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, dict) else None
+    return recorded(Path(quant_dir), key)
 
 
 def format_table(report: dict[str, Any]) -> str:
