@@ -9,6 +9,7 @@ revision is resolved to a commit sha once; every request is pinned to it (``hub_
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import BadCheckpoint
@@ -54,7 +55,9 @@ class HubSource(Source):
         self.stager = Stager(self.client, self.work_dir, self.entry, self._blob_ids.get, max_disk=max_disk,
                              lookahead=lookahead, keep_source=keep_source, workers=workers)
 
-    # -- the declared features (see base.Source) ---------------------------------------------------
+    # -- the optional features it has (see base.Source) -------------------------------------------
+    stages = True
+
     @property
     def max_disk(self) -> int | None:
         return self.stager.max_disk
@@ -75,7 +78,7 @@ class HubSource(Source):
     def downloaded_bytes(self) -> int:
         return self.stager.downloaded_bytes
 
-    def can_stage(self, names) -> bool:
+    def can_stage(self, names: Iterable[str]) -> bool:
         """Whether fetching all of ``names`` now keeps staging within the window. The driver asks
         before starting a unit while others are in flight, and otherwise waits for them to finish and
         release their shards."""
