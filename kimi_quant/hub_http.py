@@ -38,7 +38,8 @@ NETWORK_ERRORS = (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemotePro
 MAX_RETRY_AFTER = 300.0
 
 __all__ = ["MAX_RETRY_AFTER", "NETWORK_ERRORS", "RETRY_STATUS", "Backoff", "Closed", "HubError", "Transient", "first_line",
-           "get_session", "hub_headers", "raise_for_status", "refusal", "retry_after", "status_of", "transient"]
+           "get_session", "hub_headers", "raise_for_status", "refusal", "response_of", "retry_after", "status_of",
+           "transient"]
 
 
 class Transient(Exception):
@@ -57,14 +58,20 @@ class Closed(HubError):
     """The run closed the client while it waited or transferred."""
 
 
-def status_of(e: BaseException | None) -> int | None:
-    """The HTTP status of a failed hub call, also where huggingface_hub wraps it (a failed LFS upload
-    is a RuntimeError whose cause holds the answer)."""
+def response_of(e: BaseException | None):
+    """The server's answer behind a failed hub call, also where huggingface_hub wraps it (a failed LFS
+    upload is a RuntimeError whose cause holds the answer); None when there was none."""
     for x in (e, getattr(e, "__cause__", None)):
-        status = getattr(getattr(x, "response", None), "status_code", None)
-        if status is not None:
-            return status
+        response = getattr(x, "response", None)
+        if getattr(response, "status_code", None) is not None:
+            return response
     return None
+
+
+def status_of(e: BaseException | None) -> int | None:
+    """The HTTP status of a failed hub call (``response_of``), or None."""
+    response = response_of(e)
+    return response.status_code if response is not None else None
 
 
 def transient(e: BaseException) -> Transient | None:
@@ -75,8 +82,7 @@ def transient(e: BaseException) -> Transient | None:
         return Transient(f"{type(e).__name__}: {e}")
     status = status_of(e)
     if status in RETRY_STATUS:
-        response = getattr(e, "response", None) or getattr(e.__cause__, "response", None)
-        return Transient(f"HTTP {status}: {first_line(e)}", retry_after(response))
+        return Transient(f"HTTP {status}: {first_line(e)}", retry_after(response_of(e)))
     return None
 
 

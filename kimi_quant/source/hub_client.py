@@ -118,7 +118,9 @@ class HubClient:
                         raise HubError(f"{self.repo_id}: cannot reach {self.endpoint} ({type(e).__name__}: {e})") \
                             from None
                     raise
-                log.info("hub: %s: %s; retrying in %.1fs", what, again, self.backoff.wait(attempt, again.retry_after))
+                delay = self.backoff.delay(attempt, again.retry_after)
+                log.info("hub: %s: %s; retrying in %.1fs", what, again, delay)
+                self.backoff.wait(attempt, delay)
         raise AssertionError("unreachable")
 
     def _resolve(self, revision: str) -> str:
