@@ -108,7 +108,12 @@ def refusal(e: BaseException) -> str | None:
 
 def raise_for_status(response) -> None:
     """huggingface_hub's reading of a failed answer (an ``HfHubHTTPError`` subclass), or a ``Transient``
-    when another try may succeed. A redirect is no failure (the session follows it)."""
+    when another try may succeed. A redirect is no failure (the session follows it).
+
+    The body of a failed streamed answer is never read (a broken or hostile server may send gigabytes):
+    the verdict rests on the status and huggingface_hub's X-Error-Code header."""
+    if response.status_code >= 400:
+        response.close()  # huggingface_hub then finds the body closed and builds its message without it
     try:
         hf_raise_for_status(response)
     except hfe.HfHubHTTPError as e:

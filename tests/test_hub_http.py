@@ -96,3 +96,29 @@ def test_a_closed_backoff_ends_its_wait_at_once():
     assert time.monotonic() - t0 < 5 and isinstance(ei.value, HubError)
     with pytest.raises(Closed):
         b.check()
+
+
+class EndlessBody(httpx2.SyncByteStream):
+    """An error answer with a long body (64 MiB), counting the chunks anyone reads."""
+
+    def __init__(self):
+        self.read = 0
+
+    def __iter__(self):
+        for _ in range(1024):
+            self.read += 1
+            yield b"x" * 65536
+
+
+def test_the_body_of_a_failed_streamed_answer_is_never_read():
+    body = EndlessBody()
+    r = httpx2.Response(404, headers={"X-Error-Code": "EntryNotFound"}, stream=body,
+                        request=httpx2.Request("GET", URL))
+    with pytest.raises(hfe.HfHubHTTPError) as ei:
+        raise_for_status(r)
+    assert refusal(ei.value) == "entry" and body.read == 0
+    body = EndlessBody()
+    r = httpx2.Response(503, headers={"Retry-After": "2"}, stream=body, request=httpx2.Request("GET", URL))
+    with pytest.raises(Transient) as ei:
+        raise_for_status(r)
+    assert ei.value.retry_after == 2.0 and body.read == 0
