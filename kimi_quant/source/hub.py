@@ -37,6 +37,8 @@ class HubSource(Source):
     at most ``max_disk`` bytes and/or ``lookahead`` shards at once, by ``workers`` download threads;
     ``retries`` tries a request, waiting ``backoff`` seconds the first time, doubling."""
 
+    stages = True  # shards arrive by download (base.Source's optional features)
+
     def __init__(self, repo_id: str, revision: str | None = None, work_dir=None, max_disk: int | None = None,
                  keep_source: bool = False, token: str | None = None, lookahead: int | None = None,
                  workers: int = 2, retries: int = 5, backoff: float = 1.0, endpoint: str | None = None,
@@ -54,14 +56,9 @@ class HubSource(Source):
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         self.stager = Stager(self.client, self.work_dir, self.entry, self._blob_ids.get, max_disk=max_disk,
                              lookahead=lookahead, keep_source=keep_source, workers=workers)
+        self.max_disk = self.stager.max_disk
 
-    # -- the optional features it has (see base.Source) -------------------------------------------
-    stages = True
-
-    @property
-    def max_disk(self) -> int | None:
-        return self.stager.max_disk
-
+    # -- staging -----------------------------------------------------------------------------------
     @property
     def keep_source(self) -> bool:
         return self.stager.keep_source
