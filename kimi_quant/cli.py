@@ -395,7 +395,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
             raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
     if quiet:
         return
-    for line in [*plan_summary(p, job, work_dir=src.work_dir if hub else None), *cal_lines]:
+    for line in [*plan_summary(p, job, work_dir=src.work_dir), *cal_lines]:
         click.echo(line)
     if verbose or show_shards:
         click.echo(f"\n{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")

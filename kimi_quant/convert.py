@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from .errors import KimiQuantError
 from .executor import make_executor
+from .executor.base import Executor
 from .executor.shards import PART_BYTES, run_shards
 from .journal import Journal, check_same_conversion
 from .lock import OUTPUT_LOCK, output_lock
@@ -183,8 +184,8 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
             executor.start()  # held before it starts: a Ctrl-C meanwhile still reaches shutdown below
         source = open_source(source_spec, revision=opts.revision, **opts.source_options)
         out_dir = Path(opts.output).resolve()
-        _refuse_overlap(getattr(source, "root", None), out_dir, "the source directory")
-        _refuse_overlap(getattr(source, "work_dir", None), out_dir, "the hub staging directory (--work-dir)")
+        _refuse_overlap(source.root, out_dir, "the source directory")
+        _refuse_overlap(source.work_dir, out_dir, "the hub staging directory (--work-dir)")
         lock = output_lock(out_dir)
         made_dir = not out_dir.exists()
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -245,16 +246,16 @@ def _refuse_overlap(source_dir: Path | None, out_dir: Path, what: str) -> None:
 
 
 def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: ConvertOptions, t0: float,
-         executor) -> ConvertResult:
+         executor: Executor) -> ConvertResult:
     r = resume_output(source, plan, out_dir, journal, opts)
     entries, made_from, done, todo, unhashed, claimed = r.entries, r.made_from, r.done, r.todo, r.unhashed, r.claimed
 
-    check_window(getattr(source, "max_disk", None), todo, entries)
+    check_window(source.max_disk, todo, entries)
     total = sum(u.in_bytes for u in todo)
     bar = NoBar(total) if opts.quiet or total == 0 else progress_bar(total, f"convert {plan.target}", smoothing=0.1)
     waiting = None
     try:  # the bar is closed whatever happens (a Ctrl-C anywhere); on failure convert() aborts the executor
-        waiting = _WaitingBar(bar, executor, staging=bool(getattr(source, "can_stage", None)))
+        waiting = _WaitingBar(bar, executor, staging=source.stages)
 
         def advance(n: int) -> None:
             waiting.done()
@@ -282,9 +283,9 @@ def _run(source: Source, plan: Plan, out_dir: Path, journal: Journal, opts: Conv
         bar.close()
     finish_output(source, plan, out_dir, journal, opts, r)
     end = time.perf_counter()
-    ready = getattr(executor, "ready_at", None)
+    ready = executor.ready_at
     return ConvertResult(plan, out_dir, end - t0, len(todo), len(done), sum(u.in_bytes for u in todo),
-                         getattr(source, "peak_staged_bytes", None),
+                         source.peak_staged_bytes,
                          startup_seconds=(ready - t0) if ready is not None and t0 <= ready <= end else None)
 
 
@@ -294,7 +295,7 @@ class _WaitingBar:
     Say so, keep the clock ticking on a terminal, and leave the wait out of the bar's rate (else its
     first ETA is hours)."""
 
-    def __init__(self, bar, executor, staging: bool):
+    def __init__(self, bar, executor: Executor, staging: bool):
         self.bar = bar
         self.executor = executor
         self.staging = staging
@@ -310,7 +311,7 @@ class _WaitingBar:
             threading.Thread(target=self._tick, daemon=True).start()
 
     def _tick(self) -> None:
-        ready = getattr(self.executor, "ready", None)
+        ready = self.executor.ready
         while not self._stop.wait(0.5):
             if ready is not None and ready.is_set() and "kernels" in self.bar.postfix:
                 self.bar.set_postfix_str("first shards downloading" if self.staging else "", refresh=False)

@@ -182,12 +182,13 @@ def test_keep_source_window_and_resume(ckpts, hub_env, tmp_path, monkeypatch):
     """In-process: peak within the window; a crash part-way; the rerun re-downloads no verified shard."""
     from kimi_quant.convert import convert
     from kimi_quant.source import hub as hubmod
+    from kimi_quant.source.hub_stage import Stager
 
     s = ckpts["layered"]
     window = int(2.2 * max(s.sizes.values()))
     out, work = tmp_path / "out", tmp_path / "work"
     downloads: list[str] = []
-    real_once, real_fetch = hubmod.HubSource._download_once, hubmod.HubSource.fetch
+    real_once, real_fetch = Stager.download_once, hubmod.HubSource.fetch
 
     def counting(self, name, size):
         downloads.append(name)
@@ -203,7 +204,7 @@ def test_keep_source_window_and_resume(ckpts, hub_env, tmp_path, monkeypatch):
             raise RuntimeError("simulated crash")
         return real_fetch(self, name)
 
-    monkeypatch.setattr(hubmod.HubSource, "_download_once", counting)
+    monkeypatch.setattr(Stager, "download_once", counting)
     monkeypatch.setattr(hubmod.HubSource, "fetch", crashing_fetch)
     so = {"work_dir": work, "max_disk": window, "keep_source": True}
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -233,11 +234,12 @@ def test_resume_without_keep_source_reuses_staged_shards(ckpts, hub_env, tmp_pat
     """Shards verified but not yet released when the run died are still on disk and are used as they are."""
     from kimi_quant.convert import convert
     from kimi_quant.source import hub as hubmod
+    from kimi_quant.source.hub_stage import Stager
 
     s = ckpts["layered"]
     out, work = tmp_path / "out", tmp_path / "work"
     downloads: list[str] = []
-    real_once, real_release = hubmod.HubSource._download_once, hubmod.HubSource.release
+    real_once, real_release = Stager.download_once, hubmod.HubSource.release
     released: list[str] = []
 
     def counting(self, name, size):
@@ -250,7 +252,7 @@ def test_resume_without_keep_source_reuses_staged_shards(ckpts, hub_env, tmp_pat
         if len(released) == 2:
             raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(hubmod.HubSource, "_download_once", counting)
+    monkeypatch.setattr(Stager, "download_once", counting)
     monkeypatch.setattr(hubmod.HubSource, "release", crashing_release)
     so = {"work_dir": work, "max_disk": int(2.2 * max(s.sizes.values()))}
     with pytest.raises(RuntimeError, match="simulated crash"):

@@ -258,7 +258,7 @@ def test_resume_hashes_unmarked_file_and_replaces_bad_one(olah, repo, tmp_path):
 def test_partial_download_completed(olah, repo, tmp_path):
     """olah ignores Range: a partial file is restarted from zero and still verifies."""
     src = open_hub(olah, repo, tmp_path)
-    part = src._partial(SHARDS[2])
+    part = src.stager.partial(SHARDS[2])
     part.parent.mkdir(parents=True, exist_ok=True)
     part.write_bytes(repo.files[SHARDS[2]][:1000])
     assert src.fetch(SHARDS[2]).read_bytes() == repo.files[SHARDS[2]]
@@ -281,7 +281,7 @@ def test_close_stops_workers(olah, repo, tmp_path):
     src.prefetch(SHARDS)
     src.close()
     assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("kq-hub-")
-                   and t in src._threads)
+                   and t in src.stager.threads)
 
 
 def test_two_runs_cannot_stage_into_one_work_dir(olah, repo, tmp_path):

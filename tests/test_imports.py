@@ -98,7 +98,7 @@ def test_the_checker_sees_a_cycle():
 LAYERS = [
     {"kimi_quant", "errors", "dtypes", "untrusted", "cache", "lock", "progress", "hashing", "targets", "options",
      "output_files"},
-    {"quant"}, {"source"}, {"model"}, {"recipe"}, {"plan"}, {"write"}, {"journal"}, {"layout"},
+    {"hub_http"}, {"quant"}, {"source"}, {"model"}, {"recipe"}, {"plan"}, {"write"}, {"journal"}, {"layout"},
     {"executor"}, {"estimate"}, {"runtime"}, {"output_run"}, {"calibrate"}, {"convert"},
     {"verify"}, {"validate"}, {"publish"}, {"synth"}, {"cli"},
 ]

@@ -356,11 +356,11 @@ def test_source_private_repo_needs_token(hub, tmp_path, output):
 def test_source_disk_full_is_one_line(hub, src_repo, tmp_path, monkeypatch):
     import errno
 
-    import kimi_quant.source.hub as hubmod
+    from kimi_quant.source.hub_stage import Stager
 
     repo, files = src_repo
     src = _src(hub, repo, tmp_path)
-    real_open = hubmod.HubSource._open_partial
+    real_open = Stager.open_partial
 
     class Full:
         def __init__(self, f):
@@ -382,7 +382,7 @@ def test_source_disk_full_is_one_line(hub, src_repo, tmp_path, monkeypatch):
         f = real_open(self, path, mode)
         return Full(f) if mode in ("wb", "r+b") else f
 
-    monkeypatch.setattr(hubmod.HubSource, "_open_partial", fake_open)
+    monkeypatch.setattr(Stager, "open_partial", fake_open)
     with pytest.raises(KimiQuantError, match="disk full") as ei:
         src.fetch("model-00001-of-00002.safetensors")
     assert "\n" not in str(ei.value)

@@ -260,7 +260,7 @@ def test_a_link_at_a_hub_partial_download_is_not_written_through(tmp_path, monke
         victim = tmp_path / "victim.txt"
         victim.write_text(VICTIM_TEXT)
         src = HubSource("org/small", endpoint=hub.endpoint, work_dir=tmp_path / "work", backoff=0.01, retries=3)
-        part = src._partial("config.json")
+        part = src.stager.partial("config.json")
         part.parent.mkdir(parents=True)
         os.symlink(victim, part)
         try:

@@ -26,6 +26,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 from ..errors import KimiQuantError
+from .base import Executor
 from .fork_server import default_workers, fork_server_pid, fork_workers_here, sigint_blocked, start_fork_server
 from .unit import run_job
 
@@ -156,7 +157,7 @@ def _run_job(job: dict, paths: dict[str, str], out_dir: str) -> dict:
         progress.flush()
 
 
-class LocalExecutor:
+class LocalExecutor(Executor):
     """Call ``start()`` (the caller holds the object first, so a Ctrl-C during the start still
     reaches ``shutdown``, which copes with any part started)."""
 
@@ -172,7 +173,7 @@ class LocalExecutor:
         self._stop = threading.Event()
         #: when the kernels were loaded (compiled on a cold numba cache) and work could begin: the
         #: driver leaves the time before it out of the conversion rate and the bar's ETA
-        self.ready = threading.Event()
+        self.ready: threading.Event = threading.Event()
         self.ready_at: float | None = None
 
     def _mark_ready(self, *_) -> None:
@@ -325,7 +326,7 @@ def _explained(inner: Future, file: str) -> Future:
     return outer
 
 
-def make_executor(kind: str, workers: int | None, on_progress, **options):
+def make_executor(kind: str, workers: int | None, on_progress, **options) -> Executor:
     """An executor not yet started (``start()``: processes, threads, a Ray connection)."""
     if kind == "local":
         return LocalExecutor(workers, on_progress)

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 from .. import __version__
 from ..errors import KimiQuantError
+from .base import Executor
 from .unit import job_key, run_job
 
 try:
@@ -180,7 +181,7 @@ def check_reachable(address: str, timeout: float = PROBE_SECONDS, origin: str = 
                          "and the port open?")
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     remote = True  # workers may be on other nodes: a split shard is hashed and renamed by a task, not the driver
 
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..plan import TensorPlan, UnitPlan
+from ..source.base import Source
 from ..write import ShardAssembly, on_local_file_system
+from .base import Executor
 
 #: Input bytes per part: ~0.1 core-s of work, against a few ms of start-up (reader, task). Large
 #: enough that a K3.1 expert matrix is never alone, small enough that the last part of a run is short.
@@ -94,7 +96,7 @@ class OpenShard:
         return {"file": self.unit.file, "finish": True, "partial": self.assembly.tmp.name, "size": self.assembly.size}
 
 
-def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhashed: set[str],
+def run_shards(executor: Executor, units: list[UnitPlan], out_dir: Path, source: Source, *, unhashed: set[str],
                on_inputs: Callable[[dict[str, str]], None], on_shard: Callable[[UnitPlan, int, str], None],
                part_bytes: int = PART_BYTES) -> None:
     """Write every shard of ``units`` into ``out_dir`` with ``executor``.
@@ -109,15 +111,14 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
     """
     out_dir = Path(out_dir)
     users = Counter(f for u in units for f in u.needs)
-    can_stage = getattr(source, "can_stage", lambda names: True)
     pending = deque(units)
     feeding: deque[OpenShard] = deque()  # open shards with part jobs still to submit
     live: dict[Future, OpenShard] = {}  # shards with every part in: their completion (size, sha256) -> shard
     running: dict[Future, tuple[OpenShard, dict]] = {}
     depth = 2 * executor.slots  # a queued job starts the moment a worker frees up, not after a driver round trip
-    hash_here = not getattr(executor, "remote", False) and executor.slots <= DRIVER_HASH_MAX_SLOTS
+    hash_here = not executor.remote and executor.slots <= DRIVER_HASH_MAX_SLOTS
     # the writers of a split shard take turns at its file (PartWriter) where they share a node's flock
-    take_turns = not getattr(executor, "remote", False) and on_local_file_system(out_dir)
+    take_turns = not executor.remote and on_local_file_system(out_dir)
     opened: list[OpenShard] = []  # every shard opened and not complete (aborted on an error)
     ok = False
 
@@ -139,7 +140,7 @@ def run_shards(executor, units: list[UnitPlan], out_dir: Path, source, *, unhash
         while pending or opened:
             while len(running) < depth:
                 if not feeding:
-                    if not pending or (opened and not can_stage(pending[0].needs)):
+                    if not pending or (opened and not source.can_stage(pending[0].needs)):
                         break  # nothing left, or its source shards would overflow staging: wait for releases
                     whole = len(pending) >= executor.slots  # enough shards left to keep every worker busy
                     unit = pending.popleft()

@@ -18,8 +18,9 @@
   shows the numbers either way.
 * Generates the model card (README.md, ``layout.model_card``) for this repo into the upload set; the
   output directory is not modified. The source's own card travels as ``SOURCE_README.md``.
-* Transient failures (HTTP 429/5xx, dropped connections) are retried with backoff, re-planning from
-  what the remote holds; anything else is one line (KimiQuantError).
+* Transient failures (``hub_http.transient``, as for a hub source: HTTP 408/429/5xx, a parent commit
+  that moved, dropped connections) are retried with backoff, re-planning from what the remote holds;
+  anything else is one line (KimiQuantError).
 """
 
 from __future__ import annotations
@@ -29,20 +30,20 @@ import hashlib
 import json
 import logging
 import os
-import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from huggingface_hub import errors as hfe
+
 from ..errors import KimiQuantError
 from ..hashing import sha256_file
+from ..hub_http import NETWORK_ERRORS, Backoff, Transient, first_line, refusal, status_of, transient
 from ..journal import JOURNAL, Journal
 from ..layout.ascend_v1 import DESCRIPTION, INDEX, PROVENANCE, VALIDATION
 from ..layout.model_card import CARD, SOURCE_README, is_ours, model_card as _card
 from ..layout.records import read_provenance
 from ..lock import OUTPUT_LOCK
 from ..progress import fmt_bytes
-from ..source.hub import retry_after
 from ..untrusted import inside
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ NOT_UPLOADED = (JOURNAL,)  # besides everything kimi-quant did not write (``uplo
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".model", ".gguf", ".tiktoken")
 UPLOAD_CHUNK_FILES = 50  # LFS uploads go in chunks of at most this many files / bytes, one progress line each
 UPLOAD_CHUNK_BYTES = 50 * 1024 ** 3
+PUBLISH_WAIT_CAP = 60.0  # seconds: the longest wait between two tries publish picks itself
 
 
 class PublishError(KimiQuantError):
@@ -213,19 +215,20 @@ def publish(output_dir, repo_id: str, private: bool = True, branch: str | None =
     result = PublishResult(repo_id, branch, None, url=f"{endpoint}/{repo_id}")
     msg = commit_message or f"Upload {output_dir.name} (kimi-quant ascendV1)"
 
-    _retrying(lambda: _ensure_repo(api, repo_id, private, branch), retries, backoff, repo_id, "create repo")
+    pace = Backoff(retries, backoff, PUBLISH_WAIT_CAP)
+    _retrying(lambda: _ensure_repo(api, repo_id, private, branch), pace, repo_id, "create repo")
     failures = 0
     while True:
-        plan = _retrying(lambda: _plan(api, repo_id, branch, items), retries, backoff, repo_id, "compare")
+        plan = _retrying(lambda: _plan(api, repo_id, branch, items), pace, repo_id, "compare")
         if not plan.todo and not plan.stale:
             break
         try:
             info = _upload(api, repo_id, branch, plan, msg, say)
-        except _Transient as t:  # nothing is visible before the commit: compare again, then retry what is missing
+        except Transient as t:  # nothing is visible before the commit: compare again, then retry what is missing
             failures += 1
-            if failures >= retries:
-                raise PublishError(f"{repo_id}: upload failed after {retries} tries: {t}") from None
-            _wait(failures - 1, backoff, t.delay, "upload", str(t))
+            if failures >= pace.tries:
+                raise PublishError(f"{repo_id}: upload failed after {pace.tries} tries: {t}") from None
+            _wait(pace, failures - 1, t.retry_after, "upload", str(t))
             continue
         result.commit = info.oid if info is not None else None
         result.uploaded = [i.path_in_repo for i in plan.todo]
@@ -235,7 +238,7 @@ def publish(output_dir, repo_id: str, private: bool = True, branch: str | None =
     uploaded = set(result.uploaded)
     result.skipped = [i.path_in_repo for i in items if i.path_in_repo not in uploaded]
     if result.commit is None:
-        result.commit = _retrying(lambda: api.model_info(repo_id, revision=branch).sha, retries, backoff, repo_id,
+        result.commit = _retrying(lambda: api.model_info(repo_id, revision=branch).sha, pace, repo_id,
                                   "model info")
     return result
 
@@ -322,74 +325,51 @@ def _upload(api, repo_id: str, branch: str, plan: _Plan, message: str, say):
                                               parent_commit=plan.parent), repo_id, "commit")
 
 
-class _Transient(Exception):
-    def __init__(self, msg: str, delay: float | None = None):
-        super().__init__(msg)
-        self.delay = delay
-
-
-TRANSIENT_STATUS = (408, 409, 412, 429, 500, 502, 503, 504)
-
-
 def _attempt(fn, repo_id: str, what: str):
-    """Run ``fn`` once: its result, or PublishError (one line, final) or _Transient (worth a retry)."""
-    import httpx2
-    from huggingface_hub import errors as hfe
-
+    """Run ``fn`` once: its result, or PublishError (one line, final) or Transient (worth a retry)."""
     try:
         return fn()
-    except hfe.HfHubHTTPError as e:
-        status = getattr(e.response, "status_code", None)
-        if status in (401, 403):
-            raise PublishError(f"{repo_id}: not allowed to {what} (HTTP {status}): set HF_TOKEN to a token with "
-                               "write access to this namespace") from None
-        if isinstance(e, hfe.RevisionNotFoundError):
-            raise PublishError(f"{repo_id}: branch not found while trying to {what}") from None
-        if isinstance(e, hfe.RepositoryNotFoundError):
-            raise PublishError(f"{repo_id}: repo not found or not accessible while trying to {what}: check the "
-                               "repo id and HF_TOKEN") from None
-        if status in TRANSIENT_STATUS:
-            raise _Transient(f"HTTP {status}: {_first_line(e)}", retry_after(e.response)) from None
-        raise PublishError(f"{repo_id}: {what} failed: HTTP {status}: {_first_line(e)}") from None
-    except (httpx2.TimeoutException, httpx2.NetworkError, httpx2.RemoteProtocolError) as e:
-        raise _Transient(f"{type(e).__name__}: {e}") from None
-    except RuntimeError as e:  # huggingface_hub wraps a failed LFS upload: "Error while uploading 'x' to the Hub."
-        cause = e.__cause__
-        status = getattr(getattr(cause, "response", None), "status_code", None)
-        if status in (401, 403):
-            raise PublishError(f"{repo_id}: not allowed to upload (HTTP {status}): set HF_TOKEN to a token with "
-                               "write access") from None
-        if status is not None and status not in TRANSIENT_STATUS:
-            raise PublishError(f"{repo_id}: {_first_line(e)}") from None
-        raise _Transient(_first_line(e)) from None
-    except ValueError as e:  # malformed server answers, LFS batch errors
-        raise PublishError(f"{repo_id}: {what} failed: {_first_line(e)}") from None
-    except OSError as e:
-        raise PublishError(f"{repo_id}: {what} failed: {type(e).__name__}: {e}") from None
+    except (hfe.HfHubHTTPError, *NETWORK_ERRORS, RuntimeError, ValueError, OSError) as e:
+        raise _failure(e, repo_id, what) from None
 
 
-def _wait(attempt: int, backoff: float, delay: float | None, what: str, why: str) -> None:
-    wait = delay if delay is not None else min(60.0, backoff * 2 ** attempt) * (0.5 + random.random() / 2)
-    log.warning("publish: %s failed (%s); retrying in %.1fs", what, why, wait)
-    time.sleep(wait)
+def _failure(e: BaseException, repo_id: str, what: str) -> Exception:
+    """``e`` as PublishError or Transient (``hub_http`` judges which failures pass)."""
+    status = status_of(e)
+    if status in (401, 403):  # before the kind: huggingface_hub reads some 401s on a repo as "not found"
+        return PublishError(f"{repo_id}: not allowed to {what} (HTTP {status}): set HF_TOKEN to a token with write "
+                            "access to this namespace")
+    kind = refusal(e)
+    if kind == "revision":
+        return PublishError(f"{repo_id}: branch not found while trying to {what}")
+    if kind in ("repo", "gated"):
+        return PublishError(f"{repo_id}: repo not found or not accessible while trying to {what}: check the "
+                            "repo id and HF_TOKEN")
+    again = transient(e)
+    if again is not None:
+        return again
+    if isinstance(e, hfe.HfHubHTTPError):
+        return PublishError(f"{repo_id}: {what} failed: HTTP {status}: {first_line(e)}")
+    if isinstance(e, RuntimeError):  # huggingface_hub wraps a failed LFS upload: "Error while uploading 'x' ..."
+        # with no answer behind it (a dropped connection) another try may pass
+        return Transient(first_line(e)) if status is None else PublishError(f"{repo_id}: {first_line(e)}")
+    if isinstance(e, ValueError):  # malformed server answers, LFS batch errors
+        return PublishError(f"{repo_id}: {what} failed: {first_line(e)}")
+    return PublishError(f"{repo_id}: {what} failed: {type(e).__name__}: {e}")
 
 
-def _retrying(fn, retries: int, backoff: float, repo_id: str, what: str):
-    for attempt in range(retries):
+def _wait(backoff: Backoff, attempt: int, retry_after: float | None, what: str, why: str) -> None:
+    delay = backoff.delay(attempt, retry_after)
+    log.warning("publish: %s failed (%s); retrying in %.1fs", what, why, delay)
+    backoff.wait(attempt, delay)
+
+
+def _retrying(fn, backoff: Backoff, repo_id: str, what: str):
+    for attempt in range(backoff.tries):
         try:
             return _attempt(fn, repo_id, what)
-        except _Transient as t:
-            if attempt + 1 >= retries:
-                raise PublishError(f"{repo_id}: {what} failed after {retries} tries: {t}") from None
-            _wait(attempt, backoff, t.delay, what, str(t))
+        except Transient as t:
+            if attempt + 1 >= backoff.tries:
+                raise PublishError(f"{repo_id}: {what} failed after {backoff.tries} tries: {t}") from None
+            _wait(backoff, attempt, t.retry_after, what, str(t))
     raise AssertionError("unreachable")
-
-
-def _first_line(e: BaseException | None) -> str:
-    if e is None:
-        return ""
-    cause = e.__cause__ if isinstance(e, RuntimeError) and e.__cause__ is not None else e
-    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if cause is not e:
-        text += f" ({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
-    return text

@@ -4,12 +4,19 @@ Planning needs only small files and safetensors headers. Conversion asks for one
 with ``fetch`` (which blocks until the shard is local and verified) and says when it is done with it
 with ``release`` (a hub source may then delete its staged copy). ``prefetch`` announces the order in
 which shards will be needed so a hub source can download ahead within its disk window.
+
+``Source`` is a ``typing.Protocol``: the features only some sources have (a local root, a staging
+directory and its window) are declared on it with the value a source without them has, so callers
+read ``source.max_disk`` rather than probe for it.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ..errors import BadCheckpoint, KimiQuantError
 from ..output_files import DESCRIPTION, PROVENANCE
@@ -39,28 +46,53 @@ class FileEntry:
         return self.stamp if self.mtime_ns is not None or not self.sha256 else f"sha256:{self.sha256}"
 
 
-class Source:
+class Source(Protocol):
+    """What the planner and the executors use of a checkpoint's origin. Implementations subclass it
+    (``LocalSource``, ``HubSource``) and inherit the defaults of the features they lack."""
+
     id: str = ""
     revision: str | None = None  # a commit sha for hub sources
 
-    def files(self) -> list[FileEntry]:
-        raise NotImplementedError
+    # -- optional features: a source without one keeps the default ------------------------------
+    #: the directory of a local checkpoint (an output must not overlap it)
+    root: Path | None = None
+    #: where shards are staged on their way in (an output must not overlap it either)
+    work_dir: Path | None = None
+    #: most bytes of shards staged at once (--max-disk); None: no byte bound
+    max_disk: int | None = None
+    #: shards arrive by download: the first take a while before any work can start
+    stages: bool = False
 
+    @property
+    def peak_staged_bytes(self) -> int | None:
+        """Most bytes of shards staged at once so far; None for a source that stages nothing."""
+        return None
+
+    def can_stage(self, names: Iterable[str]) -> bool:
+        """Whether fetching all of ``names`` now keeps staging within its window; a source that stages
+        nothing always can."""
+        return True
+
+    # -- every source ----------------------------------------------------------------------------
+    @abstractmethod
+    def files(self) -> list[FileEntry]:
+        """Every file of the checkpoint."""
+
+    @abstractmethod
     def read_bytes(self, name: str) -> bytes:
         """A small file (config.json, the index, tokenizer files)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def header(self, name: str) -> dict[str, TensorInfo]:
         """The validated safetensors header of shard ``name`` (offsets absolute in the file)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def fetch(self, name: str) -> Path:
         """A local path to shard ``name``, complete and verified; blocks until it is."""
-        raise NotImplementedError
 
+    @abstractmethod
     def roots(self) -> list[Path]:
         """The directories a fetched shard may lie in (links resolved)."""
-        raise NotImplementedError
 
     def fetch_vetted(self, name: str) -> tuple[Path, str]:
         """``fetch(name)`` and the identity (``untrusted.file_identity``) of the file that path opens,

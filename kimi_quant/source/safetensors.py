@@ -56,14 +56,29 @@ def read_header_of(f, path: str | Path) -> tuple[dict[str, TensorInfo], dict[str
     size = os.fstat(f.fileno()).st_size
     f.seek(0)
     head = f.read(8)
+    return parse_header(head + f.read(header_length(head, size, path)), size, path)
+
+
+def header_length(head: bytes, size: int, path: str | Path) -> int:
+    """The header length the first 8 bytes of a file of ``size`` bytes give, once it is plausible."""
     if len(head) < 8:
         raise BadCheckpoint(f"{path}: truncated (only {size} bytes; not a safetensors file)")
-    (hlen,) = struct.unpack("<Q", head)
+    (hlen,) = struct.unpack("<Q", head[:8])
     if hlen > MAX_HEADER:
         raise BadCheckpoint(f"{path}: header length {hlen} exceeds the {MAX_HEADER}-byte limit (garbage header?)")
     if 8 + hlen > size:
         raise BadCheckpoint(f"{path}: truncated: header claims {hlen} bytes but the file has {size}")
-    raw = f.read(hlen)
+    return hlen
+
+
+def parse_header(prefix: bytes, size: int, path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """The validated header of a safetensors file of ``size`` bytes that begins with ``prefix`` (the
+    8-byte length and the header; more is ignored): one set of rules for a file on disk and a header
+    read over the network. Errors name ``path``."""
+    hlen = header_length(prefix[:8], size, path)
+    raw = prefix[8:8 + hlen]
+    if len(raw) < hlen:
+        raise BadCheckpoint(f"{path}: header claims {hlen} bytes but only {len(raw)} could be read")
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
     except DuplicateKey as e:
