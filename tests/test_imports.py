@@ -17,9 +17,9 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    private = []
+def _import_statements(mods: dict[str, Path]):
+    """(module, imported module, names) for every import statement of the package, lazy ones too:
+    ``from X import a, b`` gives (m, X, [a, b]); ``import X`` gives (m, X, [])."""
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
         for node in ast.walk(ast.parse(p.read_text())):
@@ -29,15 +29,26 @@ def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str
                     target = ".".join(base + ([node.module] if node.module else []))
                 else:
                     target = node.module or ""
-                for alias in node.names:
-                    full = f"{target}.{alias.name}"
-                    dep = full if full in mods else target
-                    if dep in mods and dep != m:
-                        graph[m].add(dep)
-                        if alias.name.startswith("_") and not alias.name.startswith("__") and dep == target:
-                            private.append((m, full))
+                yield m, target, [a.name for a in node.names]
             elif isinstance(node, ast.Import):
-                graph[m].update(a.name for a in node.names if a.name in mods and a.name != m)
+                for a in node.names:
+                    yield m, a.name, []
+
+
+def _imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    private = []
+    for m, target, names in _import_statements(mods):
+        if not names:
+            if target in mods and target != m:
+                graph[m].add(target)
+        for name in names:
+            full = f"{target}.{name}"
+            dep = full if full in mods else target
+            if dep in mods and dep != m:
+                graph[m].add(dep)
+                if name.startswith("_") and not name.startswith("__") and dep == target:
+                    private.append((m, full))
     return graph, private
 
 
@@ -137,20 +148,7 @@ def test_the_layer_checker_sees_an_upward_import():
 def test_every_import_of_the_package_names_a_module_of_it():
     """A module moved or renamed: every import of kimi_quant.* (lazy ones too) still finds its module."""
     mods = _modules()
-    missing = []
-    for m, p in mods.items():
-        pkg = m if p.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                    target = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    target = node.module or ""
-                if target.split(".")[0] == "kimi_quant" and target not in mods \
-                        and not all(f"{target}.{a.name}" in mods for a in node.names):
-                    missing.append(f"{m}: {target}")
-            elif isinstance(node, ast.Import):
-                missing += [f"{m}: {a.name}" for a in node.names
-                            if a.name.split(".")[0] == "kimi_quant" and a.name not in mods]
+    missing = [f"{m}: {target}" for m, target, names in _import_statements(mods)
+               if target.split(".")[0] == "kimi_quant" and target not in mods
+               and not (names and all(f"{target}.{n}" in mods for n in names))]
     assert missing == []
