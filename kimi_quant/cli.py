@@ -23,18 +23,14 @@ from . import __version__
 from .errors import KimiQuantError, ValidationFailed, require_torch
 from .executor.fork_server import default_workers, fork_workers_here, start_fork_server
 from .options import old_name, takes_old_name
-from .progress import fmt_duration, fmt_size
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
+from .progress import SIZE_SUFFIXES, fmt_duration, fmt_size
 
 def parse_size(text: str) -> int:
     """'4GiB', '500MB', '2g', '123' -> bytes."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
+    if not m or m.group(2).lower() not in SIZE_SUFFIXES:
         raise click.BadParameter(f"{text!r} is not a size (e.g. 4GiB, 500MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return int(float(m.group(1)) * SIZE_SUFFIXES[m.group(2).lower()])
 
 
 class Size(click.ParamType):

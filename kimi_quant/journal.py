@@ -287,11 +287,10 @@ def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out
 def _shown(v, key: str = "") -> str:
     if v in (None, [], ()):
         return "not given"
-    if key == "max_shard_size" and isinstance(v, int) and v > 0:  # as it was typed: 4GiB, 128MB
-        for unit, size in (("GiB", 1 << 30), ("GB", 10**9), ("MiB", 1 << 20), ("MB", 10**6), ("KiB", 1 << 10),
-                           ("KB", 10**3)):
-            if v % size == 0:
-                return f"{v // size}{unit}"
+    if key == "max_shard_size" and isinstance(v, int):  # as it was typed: 4GiB, 128MB
+        from .progress import fmt_typed_size
+
+        return fmt_typed_size(v)
     if isinstance(v, dict):  # --calibrate's settings
         import shlex
 

@@ -28,6 +28,19 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+#: the size suffixes the CLI reads (any case): decimal and binary
+SIZE_SUFFIXES = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+                 "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def fmt_typed_size(n: int) -> str:
+    """A byte count as a user would have typed it: 4GiB, 128MB (the largest unit that divides it)."""
+    for unit in ("TiB", "TB", "GiB", "GB", "MiB", "MB", "KiB", "KB"):
+        if n > 0 and n % SIZE_SUFFIXES[unit.lower()] == 0:
+            return f"{n // SIZE_SUFFIXES[unit.lower()]}{unit}"
+    return str(n)
+
+
 def fmt_size(n: float) -> str:
     """3.11 MB, 1517.830 GB: the precision the CLI's summaries and the model card give sizes in."""
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
