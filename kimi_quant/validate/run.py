@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import KimiQuantError
+from ..layout.records import recorded
 from ..runtime import forward as fw
 from ..runtime.text import token_windows
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES, QuantizedLoader, SourceLoader, WeightLoader
@@ -212,22 +213,14 @@ def run_validation(source_dir: str | Path, quant_dir: str | Path, calibration: s
         "source": str(source_dir),
         "quantized": str(quant_dir),
         "wall_s": round(time.time() - t0, 3),
-        "output_calibration": _recorded(quant_dir, "calibration"),
-        "output_source_packing": _recorded(quant_dir, "source_packing"),
+        "output_calibration": recorded(Path(quant_dir), "calibration"),
+        "output_source_packing": recorded(Path(quant_dir), "source_packing"),
     }
     if json_path is not None:
         p = Path(json_path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(report, indent=2) + "\n")
     return report
-
-
-def _recorded(quant_dir: str | Path, key: str) -> dict | None:
-    """What the output's provenance records under ``key`` (None where it has none, or no provenance):
-    its ``calibration`` (``convert --calibrate``), its ``source_packing`` (an MXFP4-packed source)."""
-    from ..layout.records import recorded
-
-    return recorded(Path(quant_dir), key)
 
 
 def format_table(report: dict[str, Any]) -> str:
