@@ -49,7 +49,7 @@ SAMPLE_SHAPE = (1024, 3584)
 DRIVER_BYTES = 300 * 1024**2
 WORKER_FIXED_BYTES = 64 * 1024**2
 #: starting the driver and its workers, the split shard's overhead, and writing the metadata, with the kernels cached
-STARTUP_S = 1.3
+STARTUP_S = 0.5
 #: building the compiled kernels (``quant.aot``; the first run after installing or upgrading)
 COMPILE_S = 20.0
 

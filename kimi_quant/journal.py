@@ -279,7 +279,8 @@ def check_same_conversion(journal: Journal, fingerprint: str, summary: dict, out
     diffs = [f"{k} {journal.start.get(k)!r} -> {v!r}" for k, v in summary.items() if journal.start.get(k) != v]
     what = "; ".join(diffs) if diffs else "the plan differs (source, recipe or shard size)"
     old_rev = journal.start.get("revision")
-    resume = (f"to finish it, pass --revision {old_rev}; " if old_rev and old_rev != summary.get("revision") else "")
+    verb = "keep" if journal.complete else "finish"
+    resume = (f"to {verb} it, pass --revision {old_rev}; " if old_rev and old_rev != summary.get("revision") else "")
     raise KimiQuantError(f"{out_dir} holds another conversion ({what}); {resume}use --overwrite to replace it{lose}, "
                          "or choose another --output")
 

@@ -374,7 +374,7 @@ def test_a_window_smaller_than_one_unit_needs_is_refused_up_front(ckpts, hub_env
 
 
 def test_a_moved_branch_is_refused_with_the_way_to_finish(olah, ckpts, hub_env, tmp_path):
-    """main moves between two runs: the output is not mixed, and the line says how to finish it."""
+    """main moves between two runs: the output is not mixed, and the line says how to keep it (it is finished)."""
     s = ckpts["synth"]
     repo = olah.new_repo("moving")
     files = {p.relative_to(s.local).as_posix(): p for p in sorted(s.local.rglob("*")) if p.is_file()}
@@ -387,5 +387,5 @@ def test_a_moved_branch_is_refused_with_the_way_to_finish(olah, ckpts, hub_env, 
     r = kq(*args, env=hub_env)
     assert r.returncode == 2
     line = error_line(r.stderr)
-    assert f"to finish it, pass --revision {first}; use --overwrite to replace it" in line, line
+    assert f"to keep it, pass --revision {first}; use --overwrite to replace it" in line, line
     assert kq(*args, "--revision", first, env=hub_env).returncode == 0
