@@ -4,8 +4,8 @@
 Per scheme: the seconds of ``gptq.gptq_quantize`` (default config: clip search, guard), its achieved
 rate in GFLOP/s counted as 2 N K^2 (the lazy-batch update's order of work), the seconds of one
 [N x K] x [K x K] float32 matmul measured right before it on the same thread, and the ratio of the
-two (the target is <= 4).  Everything runs on one thread (``torch.set_num_threads(1)``; the numba
-kernels are serial).  Times are CPU seconds of this process (``time.process_time``: on a shared
+two (the target is <= 4).  Everything runs on one thread (``torch.set_num_threads(1)``, numpy's BLAS
+on one thread; the numba kernels are serial).  Times are CPU seconds of this process (``time.process_time``: on a shared
 machine they leave out the time other processes held the core); wall seconds are printed beside them.
 The load average before and after is printed: on a busy machine both clocks slow down together, so
 read the ratio.
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+for _var in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # numpy's BLAS too: CPU seconds of one thread, as the matmul's
 
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402

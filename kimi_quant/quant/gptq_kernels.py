@@ -180,19 +180,20 @@ def scatter_transposed(CT, order, out):
 def plain_errors(w, scale, qmin, qmax, r, d_out):
     """Plain rounding of rows ``w`` [N, K] on per-row scales ``scale`` [N]: d_out = w - clip(rint(w / s),
     qmin, qmax) s (float32, as ``gptq.values_of`` of those codes), and per row sum_k d_k^2 r_k in
-    float64 (r float32 [K]) -> [N]."""
+    float64 (r float32 [K]), summed in k order -> [N].  Two passes per row: the rounding has no
+    dependence between elements (it vectorizes), the float64 sum is a chain."""
     N, K = w.shape
     out = np.zeros(N)
     for n in range(N):
         s = scale[n]
         row = w[n]
         d = d_out[n]
-        acc = 0.0
         for k in range(K):
             x = row[k]
             c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
-            e = np.float32(x - np.float32(c * s))
-            d[k] = e
-            acc += np.float64(np.float32(e * e)) * np.float64(r[k])
+            d[k] = np.float32(x - np.float32(c * s))
+        acc = 0.0
+        for k in range(K):
+            acc += np.float64(np.float32(d[k] * d[k])) * np.float64(r[k])
         out[n] = acc
     return out
