@@ -382,18 +382,31 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
 
 def values_of(codes: np.ndarray, grid: Grid) -> np.ndarray:
     """float32 [N, K]: the weights the codes stand for (what ``dequantize`` of the encoded bytes gives)."""
+    from .gptq_kernels import code_values
+
     N, K = codes.shape
-    if grid.kind == "int":
-        v = codes.astype(np.float32)
-    elif grid.kind == "e2m1":
-        v = nm.e2m1_to_f32(codes.astype(np.uint8))
-    else:
-        v = nm.e4m3_to_f32(codes.astype(np.uint8))
-    if grid.group >= K:
-        v *= np.asarray(grid.scale, np.float32).reshape(N, 1)
-    else:
-        v.reshape(N, K // grid.group, grid.group)[...] *= np.asarray(grid.scale, np.float32)[:, :, None]
-    return v
+    scale = np.ascontiguousarray(np.asarray(grid.scale, np.float32).reshape(N, -1))
+    out = np.empty((N, K), dtype=np.float32)
+    code_values(np.ascontiguousarray(codes), _value_table(grid.kind), scale, min(int(grid.group), K), out)
+    return out
+
+
+def _value_table(kind: str) -> np.ndarray:
+    """float32 [256]: the element value of each code byte (int: the signed byte; e2m1: sign bit 3;
+    e4m3: float8_e4m3fn)."""
+    if kind not in _VALUE_TABLES:
+        b = np.arange(256)
+        if kind == "int":
+            v = b.astype(np.uint8).view(np.int8).astype(np.float32)
+        elif kind == "e2m1":
+            v = nm.e2m1_to_f32((b & 15).astype(np.uint8))
+        else:
+            v = nm.e4m3_to_f32(b.astype(np.uint8))
+        _VALUE_TABLES[kind] = np.ascontiguousarray(v, np.float32)
+    return _VALUE_TABLES[kind]
+
+
+_VALUE_TABLES: dict = {}
 
 
 def weighted_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> np.ndarray:
@@ -436,9 +449,9 @@ class _Judge:
             edges = [round(i * K / nb) for i in range(nb + 1)]
             self.blocks = list(zip(edges[:-1], edges[1:]))
             self._kept = [self._triangle_block(a, b) for a, b in self.blocks] if K <= FLOAT64_MAX_K else None
-            self._screen = None
+            self._low_rank = {}  # (rank, shift) -> pivoted Cholesky columns, shared by every chunk of rows
         else:
-            self.blocks, self._kept, self._screen = shared.blocks, shared._kept, shared._screen
+            self.blocks, self._kept, self._low_rank = shared.blocks, shared._kept, shared._low_rank
         self.w = w
         self.W32 = torch.from_numpy(w).to(dev)
         diag = np.clip(np.diagonal(hessian), 0, None).astype(np.float32)
@@ -524,23 +537,54 @@ class _Judge:
         diag(r), G the first m columns of H's pivoted Cholesky (largest remaining diagonal first) and r
         the remaining diagonal: the estimate |d G|^2 + sum_k d_k^2 r_k is exact on the m pivots' span and
         counts the rest by its diagonal (O(N K m) per candidate)."""
-        if self._screen is not None and self._screen[0] == rank:
-            return self._screen[1]
-        H = self.hessian
-        K = H.shape[0]
-        m = min(rank, K)
-        G = np.zeros((K, m))
-        r = np.diagonal(H).astype(np.float64).copy()
-        for j in range(m):
-            p = int(np.argmax(r))
-            if r[p] <= 0:
-                G = G[:, :j]
-                break
-            g = (0.5 * (H[:, p].astype(np.float64) + H[p, :].astype(np.float64)) - G[:, :j] @ G[p, :j]) / np.sqrt(r[p])
-            G[:, j] = g
-            r = np.maximum(r - g * g, 0.0)
-        self._screen = (rank, (G.astype(np.float32), r.astype(np.float32)))
-        return self._screen[1]
+        G, r = self._pivoted_cholesky(rank, 0.0)
+        return G.astype(np.float32), r.astype(np.float32)
+
+    def _pivoted_cholesky(self, rank: int, shift: float):
+        """(G float64 [K, m], r float64 [K]): the first m <= rank columns of the pivoted Cholesky of
+        (H + H^T) / 2 + shift I and its remaining diagonal (kept per (rank, shift), shared by the chunks)."""
+        key = (rank, shift)
+        if key not in self._low_rank:
+            H = self.hessian
+            K = H.shape[0]
+            m = min(rank, K)
+            G = np.zeros((K, m))
+            r = np.diagonal(H).astype(np.float64) + shift
+            for j in range(m):
+                p = int(np.argmax(r))
+                if r[p] <= 0:
+                    G = G[:, :j]
+                    break
+                col = 0.5 * (H[:, p].astype(np.float64) + H[p, :].astype(np.float64))
+                col[p] += shift
+                g = (col - G[:, :j] @ G[p, :j]) / np.sqrt(r[p])
+                G[:, j] = g
+                r = np.maximum(r - g * g, 0.0)
+            self._low_rank[key] = (G, r)
+        return self._low_rank[key]
+
+    def fast_unless_beaten(self, values: np.ndarray, rival: np.ndarray, factor: "Factor") -> np.ndarray:
+        """``fast``'s estimate of each row's error where it may come near ``rival`` (another candidate's
+        per-row errors, from ``fast`` or ``from_gptq``); +inf on rows where a lower bound of the exact
+        error already exceeds rival by more than BOUND_MARGIN (plus the floor): the choice there is the
+        same, without a product.  Bound: H + s I = G G^T + S with S positive semi-definite (G: pivoted
+        Cholesky columns, s: the factor's shift, with which H's Cholesky succeeded), so
+        d H d >= |d G|^2 - s |d|^2, in float64.  With dead inputs (H' is not H + s I) every row is judged."""
+        if factor.dead:
+            return self.fast(values)
+        G, _ = self._pivoted_cholesky(SCREEN_RANK, float(factor.shift))
+        D = self.w.astype(np.float64) - np.asarray(values, np.float64)
+        bound = ((D @ G) ** 2).sum(axis=1) - factor.shift * (D * D).sum(axis=1)
+        judge = np.flatnonzero(~(bound * (1 - BOUND_MARGIN) > rival + self.floor))
+        out = np.full(len(D), np.inf)
+        if judge.size:
+            out[judge] = self.fast(values, judge)
+        return out
+
+
+#: relative margin by which a lower bound must exceed a rival's error for a candidate to be dropped
+#: unjudged (10x JUDGE_RTOL: such a row would never have been re-judged in float64)
+BOUND_MARGIN = 1e-2
 
 
 _LAST_FACTOR: list = []  # [(copy of H, damp, act_order, device, Factor)]: the last factor, for Linears sharing one H
@@ -642,7 +686,9 @@ def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: _Judge, 
     if cfg.guard:
         grid, codes = free
         err = next((e for g, c, e in known if np.array_equal(g.scale, grid.scale) and np.array_equal(c, codes)), None)
-        cands.append((grid, codes, judge.fast(values_of(codes, grid)) if err is None else err))
+        if err is None:  # judged only on rows where it may beat the best GPTQ result
+            err = judge.fast_unless_beaten(values_of(codes, grid), np.min([e for _, _, e in cands], axis=0), factor)
+        cands.append((grid, codes, err))
     if len(cands) == 1:
         return cands[0][1], cands[0][0]
     best, _ = judge.choose([e for _, _, e in cands],

@@ -197,3 +197,19 @@ def plain_errors(w, scale, qmin, qmax, r, d_out):
             acc += np.float64(np.float32(d[k] * d[k])) * np.float64(r[k])
         out[n] = acc
     return out
+
+
+@njit(cache=True)
+def code_values(codes, table, scale, group, out):
+    """out[n, k] = table[codes[n, k] & 0xFF] * scale[n, k // group] in float32: the weights that codes
+    (of any integer or integral float dtype) stand for; ``table`` float32 [256] holds each code
+    byte's element value (for int grids the signed byte)."""
+    N, K = codes.shape
+    for n in range(N):
+        c = codes[n]
+        o = out[n]
+        sc = scale[n]
+        for g0 in range(0, K, group):
+            sg = sc[g0 // group]
+            for k in range(g0, min(g0 + group, K)):
+                o[k] = table[np.int64(c[k]) & 0xFF] * sg
