@@ -123,13 +123,14 @@ def phase_table(torch, kernels):
         (gptq, "_factor_once", "factor: other"), (gptq, "_factor", "factor: other"),
         (J, "__init__", "judge: triangle blocks, floor"), (J, "fast", "judge: float32 products"),
         (J, "exact", "judge: float64 re-judging"), (J, "from_gptq", "judge: error from GPTQ"),
-        (J, "choose", "judge: choice"), (J, "screen", "clip: screen's pivoted Cholesky"),
+        (J, "choose", "judge: choice"), (J, "_pivoted_cholesky", "screen/bound: pivoted Cholesky"),
+        (J, "fast_unless_beaten", "guard: lower bound"),
         (kernels, "plain_errors", "clip: screen scores"), (gptq, "_clip_before", "clip: other"),
         (kernels, "gptq_block", "GPTQ: block kernel"), (kernels, "gather_transposed", "GPTQ: transposes"),
         (kernels, "scatter_transposed", "GPTQ: transposes"), (gptq, "gptq_run", "GPTQ: updates between blocks"),
         ("codec", "fast_data_free_codes", "guard: data-free codes"), ("codec", "gptq_grids", "candidate grids"),
         ("codec", "encode", "encode"), (gptq, "values_of", "values of codes"), (gptq, "_pick_rows", "other"),
-        (gptq, "gptq_quantize", "other"),
+        (gptq, "_quantize_rows", "other"), (gptq, "gptq_quantize", "other"),
     ]
 
 

@@ -467,16 +467,15 @@ class _Judge:
         d H d^T = 2 sum_{k <= j} d_k T_kj d_j (products with column blocks of T skip its zero part)."""
         import torch
 
-        H = self.hessian
-        T = (np.asarray(H[:b, a:b], np.float64) + np.asarray(H[a:b, :b], np.float64).T) * 0.5
-        sq = T[a:b]  # the square part: rows a..b
-        sq[np.tril_indices(b - a, -1)] = 0
-        sq[np.diag_indices(b - a)] *= 0.5
-        return torch.from_numpy(T.astype(np.float32)).to(self.dev)
+        from .gptq_kernels import triangle_block
+
+        T = np.empty((b, b - a), dtype=np.float32)
+        triangle_block(self.hessian, a, b, T)
+        return torch.from_numpy(T).to(self.dev)
 
     def fast(self, values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        """float32 estimate of each row's error (of rows ``rows`` only, whose values are ``values[rows]``),
-        as float64 numpy."""
+        """float32 estimate of each row's error (of rows ``rows`` only, whose values are ``values``
+        [len(rows), K]), as float64 numpy."""
         import torch
 
         idx = np.arange(values.shape[0]) if rows is None else np.asarray(rows)
@@ -487,7 +486,7 @@ class _Judge:
             if rows is None:
                 D = self.W32[part] - torch.from_numpy(np.ascontiguousarray(values[part], np.float32)).to(self.dev)
             else:
-                D = torch.from_numpy(self.w[sel] - np.asarray(values[sel], np.float32)).to(self.dev)
+                D = torch.from_numpy(self.w[sel] - np.asarray(values[part], np.float32)).to(self.dev)
             for i, (a, b) in enumerate(self.blocks):  # sum_j (sum_{k <= j} D[:, k] T[k, j]) D[:, j]
                 T = self._kept[i] if self._kept is not None else self._triangle_block(a, b)
                 out[part] += ((D[:, :b] @ T) * D[:, a:b]).sum(dim=1, dtype=torch.float64)
@@ -578,7 +577,7 @@ class _Judge:
         judge = np.flatnonzero(~(bound * (1 - BOUND_MARGIN) > rival + self.floor))
         out = np.full(len(D), np.inf)
         if judge.size:
-            out[judge] = self.fast(values, judge)
+            out[judge] = self.fast(np.asarray(values)[judge], judge)
         return out
 
 
@@ -814,7 +813,7 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, fin
                 break
             grid = _pick_rows(order[f], clipped)
             e = np.full(len(w), np.inf)
-            e[rows] = judge.fast(values_of(plain(grid), grid), rows)
+            e[rows] = judge.fast(values_of(plain(grid, rows), _rows(grid, rows)), rows)
             grids.append(grid)
             errs.append(e)
     best, _ = judge.choose(errs, [lambda rows, gr=gr: values_of(plain(gr, rows), _rows(gr, rows)) for gr in grids])

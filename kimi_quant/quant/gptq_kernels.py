@@ -213,3 +213,23 @@ def code_values(codes, table, scale, group, out):
             sg = sc[g0 // group]
             for k in range(g0, min(g0 + group, K)):
                 o[k] = table[np.int64(c[k]) & 0xFF] * sg
+
+
+@njit(cache=True)
+def triangle_block(H, a, b, out):
+    """out[i, j - a] (float32 [b, b - a]) = T[i, j] for i < b, a <= j < b: T the upper triangle of
+    (H + H^T) / 2 (in float64) with its diagonal halved, zero below the diagonal; in 64 x 64 tiles
+    (H read by rows and by columns stays in cache)."""
+    t = 64
+    for i0 in range(0, b, t):
+        for j0 in range(a, b, t):
+            for i in range(i0, min(i0 + t, b)):
+                o = out[i]
+                for j in range(j0, min(j0 + t, b)):
+                    if i > j:
+                        o[j - a] = 0.0
+                    else:
+                        v = (np.float64(H[i, j]) + np.float64(H[j, i])) * 0.5
+                        if i == j:
+                            v *= 0.5
+                        o[j - a] = np.float32(v)
