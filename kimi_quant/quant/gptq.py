@@ -283,7 +283,7 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
         else:
             L, info = torch.linalg.cholesky_ex(A.to(dev))
         if int(info) == 0:
-            L = L.to(torch.float32)
+            L = L.to(torch.float32, memory_format=torch.contiguous_format)  # LAPACK gives column-major
             _lower_inverse_in_place(L)
             if bool(torch.isfinite(L.sum())):  # an overflow anywhere makes the sum inf or nan
                 if L.device.type == "cpu":
