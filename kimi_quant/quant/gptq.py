@@ -234,26 +234,29 @@ def _lower_inverse_in_place(L, leaf: int = 256):
     C.neg_()
 
 
-def _trmm(X, Y, right: bool, leaf: int = 512):
+def _trmm(X, Y, right: bool, leaf: int = 512, out=None):
     """X @ Y with the lower-triangular factor (Y if ``right``, else X) split recursively, so that its
-    zero upper part is never multiplied: half the flops of a full product."""
+    zero upper part is never multiplied: half the flops of a full product.  The parts are written
+    into ``out`` (a new matrix if None, never X or Y) where they belong."""
     import torch
 
+    if out is None:
+        out = torch.empty((X.shape[0], Y.shape[1]), dtype=X.dtype, device=X.device)
     T = Y if right else X
     n = T.shape[0]
     if n <= leaf:
-        return X @ Y
+        return torch.matmul(X, Y, out=out)
     h = n // 2
     if right:  # X [m, n] @ [[A, 0], [B, D]] = [X1 A + X2 B, X2 D]
         X1, X2 = X[:, :h], X[:, h:]
-        left = _trmm(X1, T[:h, :h], True, leaf)
-        left.addmm_(X2, T[h:, :h])
-        return torch.cat((left, _trmm(X2, T[h:, h:], True, leaf)), 1)
+        _trmm(X1, T[:h, :h], True, leaf, out[:, :h]).addmm_(X2, T[h:, :h])
+        _trmm(X2, T[h:, h:], True, leaf, out[:, h:])
+        return out
     # [[A, 0], [B, D]] @ Y [n, m] = [A Y1, B Y1 + D Y2]
     Y1, Y2 = Y[:h], Y[h:]
-    low = _trmm(T[h:, h:], Y2, False, leaf)
-    low.addmm_(T[h:, :h], Y1)
-    return torch.cat((_trmm(T[:h, :h], Y1, False, leaf), low), 0)
+    _trmm(T[h:, h:], Y2, False, leaf, out[h:]).addmm_(T[h:, :h], Y1)
+    _trmm(T[:h, :h], Y1, False, leaf, out[:h])
+    return out
 
 
 def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Factor:
