@@ -288,7 +288,7 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
         else:
             L, info = torch.linalg.cholesky_ex(A.to(dev))
         if int(info) == 0:
-            L = L.to(torch.float32, memory_format=torch.contiguous_format)  # LAPACK gives column-major
+            L = _row_major_float32(L)
             _lower_inverse_in_place(L)
             if bool(torch.isfinite(L.sum())):  # an overflow anywhere makes the sum inf or nan
                 if L.device.type == "cpu":
@@ -301,6 +301,19 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
                 return Factor(None if perm is None else perm.to(dev), U, shift + extra, bool(dead.any()))
         extra = pmean * (1e-3 if extra == 0.0 else 10.0 * extra / pmean)
     raise ValueError("hessian is not positive semi-definite (Cholesky failed even with extra dampening)")
+
+
+def _row_major_float32(L):
+    """A float32 row-major copy of the lower Cholesky factor (LAPACK returns it column-major)."""
+    import torch
+
+    if L.device.type == "cpu" and L.dtype == torch.float64 and L.mT.is_contiguous():
+        from .gptq_kernels import lower_from_transposed
+
+        out = torch.empty(L.shape, dtype=torch.float32)
+        lower_from_transposed(L.mT.numpy(), out.numpy())
+        return out
+    return L.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def gptq_codes(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel: bool = True):

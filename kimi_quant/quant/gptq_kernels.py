@@ -233,3 +233,17 @@ def triangle_block(H, a, b, out):
                         if i == j:
                             v *= 0.5
                         o[j - a] = np.float32(v)
+
+
+@njit(cache=True)
+def lower_from_transposed(LT, out):
+    """out (float32, row-major) = the lower triangle of LT^T (LT float64 [K, K], row-major: a column-major
+    lower factor seen as its transpose), zeros above the diagonal; 64 x 64 tiles, each element cast once."""
+    K = LT.shape[0]
+    t = 64
+    for i0 in range(0, K, t):
+        for j0 in range(0, K, t):
+            for i in range(i0, min(i0 + t, K)):
+                o = out[i]
+                for j in range(j0, min(j0 + t, K)):
+                    o[j] = np.float32(LT[j, i]) if j <= i else np.float32(0.0)
