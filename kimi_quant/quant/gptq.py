@@ -304,10 +304,13 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
 
 
 def _row_major_float32(L):
-    """A float32 row-major copy of the lower Cholesky factor (LAPACK returns it column-major)."""
+    """The lower Cholesky factor as float32, row-major on the CPU (LAPACK returns it column-major; the
+    flip and GPTQ's block slices read rows); other devices keep their layout."""
     import torch
 
-    if L.device.type == "cpu" and L.dtype == torch.float64 and L.mT.is_contiguous():
+    if L.device.type != "cpu":
+        return L.to(torch.float32)
+    if L.dtype == torch.float64 and L.mT.is_contiguous():
         from .gptq_kernels import lower_from_transposed
 
         out = torch.empty(L.shape, dtype=torch.float32)
