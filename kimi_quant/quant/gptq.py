@@ -593,15 +593,21 @@ class _Judge:
         if factor.dead:
             return self.fast(values)
         G, _ = self._pivoted_cholesky(SCREEN_RANK, float(factor.shift))
-        D = self.w.astype(np.float64) - np.asarray(values, np.float64)
-        bound = ((D @ G) ** 2).sum(axis=1) - factor.shift * (D * D).sum(axis=1)
+        n = len(self.w)
+        bound = np.empty(n)
+        for r1 in range(0, n, BOUND_ROWS):  # row blocks: float64 temporaries that stay in cache
+            D = self.w[r1:r1 + BOUND_ROWS].astype(np.float64) - np.asarray(values[r1:r1 + BOUND_ROWS], np.float64)
+            P = D @ G
+            bound[r1:r1 + len(D)] = np.einsum("nm,nm->n", P, P) - factor.shift * np.einsum("nk,nk->n", D, D)
         judge = np.flatnonzero(~(bound * (1 - BOUND_MARGIN) > rival + self.floor))
-        out = np.full(len(D), np.inf)
+        out = np.full(n, np.inf)
         if judge.size:
             out[judge] = self.fast(np.asarray(values)[judge], judge)
         return out
 
 
+#: rows per block of the lower bound's float64 temporaries
+BOUND_ROWS = 256
 #: relative margin by which a lower bound must exceed a rival's error for a candidate to be dropped
 #: unjudged (10x JUDGE_RTOL: such a row would never have been re-judged in float64)
 BOUND_MARGIN = 1e-2
