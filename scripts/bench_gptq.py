@@ -3,9 +3,9 @@
 
 Per scheme: the seconds of ``gptq.gptq_quantize`` (default config: clip search, guard), its achieved
 rate in GFLOP/s counted as 2 N K^2 (the lazy-batch update's order of work), the seconds of one
-[N x K] x [K x K] float32 matmul measured right before it on the same thread, and the ratio of the
-two (the target is <= 4).  Everything runs on one thread (``torch.set_num_threads(1)``; the numba
-kernels are serial).  Times are CPU seconds of this process (``time.process_time``: on a shared
+[N x K] x [K x K] float32 matmul on the same thread (measured before and after every GPTQ run; the
+fastest of them), and the ratio of the two (the target is <= 4).  Everything runs on one thread (``torch.set_num_threads(1)``, numpy's BLAS
+on one thread; the numba kernels are serial).  Times are CPU seconds of this process (``time.process_time``: on a shared
 machine they leave out the time other processes held the core); wall seconds are printed beside them.
 The load average before and after is printed: on a busy machine both clocks slow down together, so
 read the ratio.
@@ -14,21 +14,26 @@ read the ratio.
 numba block kernel it used) in the same run, and says whether the bytes changed and by how much the
 input-weighted error tr(dW H dW^T) moved (new / before).
 
-H is (1/n) X^T X of n synthetic inputs with a few loud channels (the cost does not depend on the values).
+The weight holds bfloat16 values (as a checkpoint's: the guard's data-free codes then come from the codec's
+fast kernel, as in ``convert --calibrate``); H is (1/n) X^T X of n synthetic inputs with a few loud channels
+(the cost does not depend on the values).  ``--phases`` also prints where the seconds of the new path go
+(CPU seconds per phase, each phase's own time: a phase called inside another is not counted twice).
 
-    python scripts/bench_gptq.py [--n 3072 --k 3584 --schemes W4A8_DYNAMIC,W4A8_MXFP --before HEAD~1]
+    python scripts/bench_gptq.py [--n 3072 --k 3584 --schemes W4A8_DYNAMIC,W4A8_MXFP --before HEAD~1 --phases --repeat 3]
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+for _var in ("NUMBA_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # numpy's BLAS too: CPU seconds of one thread, as the matmul's
 
 import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -38,6 +43,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from kimi_quant.quant import get_codec  # noqa: E402
 from kimi_quant.quant import gptq  # noqa: E402
 
@@ -50,8 +56,13 @@ def _git_show(rev: str, path: str) -> str:
 
 
 def load_before(rev: str):
-    """The calibrated entry point of revision ``rev``: a function (codec, w, matmul, H) -> tensors."""
+    """The calibrated entry point of revision ``rev``: a function (codec, w, matmul, H) -> tensors.
+
+    That revision's gptq.py runs with its own numba kernels (its gptq_kernels.py, or the block kernel
+    that older ones kept in kernels.py), loaded from files in a temporary folder under names of their
+    own; the codecs and numerics are this tree's."""
     src = _git_show(rev, "kimi_quant/quant/gptq.py")
+    tmp = Path(tempfile.mkdtemp(prefix="bench_gptq_before_"))
     ns = {}
     if "gptq_int_block" in src:  # its numba kernel lived in kernels.py
         from numba import njit
@@ -62,20 +73,17 @@ def load_before(rev: str):
         ns["gptq_int_block"] = njit(ns["gptq_int_block"])
         src = src.replace("from .base import load_kernels\n\n        block = load_kernels().gptq_int_block",
                           "block = _BEFORE_BLOCK")
-    name = "kimi_quant.quant._gptq_before"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "kimi_quant.quant"
-    mod._BEFORE_BLOCK = ns.get("gptq_int_block")
-    sys.modules[name] = mod
-    exec(compile(src, f"{rev}:gptq.py", "exec"), mod.__dict__)
+    if "from .gptq_kernels import" in src:
+        _load(tmp, "_gptq_kernels_before", _git_show(rev, "kimi_quant/quant/gptq_kernels.py"))
+        src = src.replace("from .gptq_kernels import", "from ._gptq_kernels_before import")
+    mod = _load(tmp, "_gptq_before", src, _BEFORE_BLOCK=ns.get("gptq_int_block"))
 
-    class Adapter:  # the codec as that revision called it (gptq_grids(w, matmul))
+    class Adapter:  # the codec as that revision called it (older ones: gptq_grids(w, matmul))
         def __init__(self, codec):
             self.codec = codec
 
-        def gptq_grids(self, w, matmul):
-            return self.codec.gptq_grids(w, matmul, self.codec.data_free_codes(w, matmul))
+        def gptq_grids(self, w, matmul, *free):
+            return self.codec.gptq_grids(w, matmul, free[0] if free else self.codec.data_free_codes(w, matmul))
 
         def __getattr__(self, attr):
             return getattr(self.codec, attr)
@@ -87,9 +95,85 @@ def load_before(rev: str):
     return run
 
 
+def _load(folder: Path, name: str, src: str, **extra):
+    """Module ``kimi_quant.quant.<name>`` from ``src`` written to folder/<name>.py (numba caches need a file)."""
+    path = folder / f"{name}.py"
+    path.write_text(src)
+    full = f"kimi_quant.quant.{name}"
+    spec = importlib.util.spec_from_file_location(full, path)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__dict__.update(extra)
+    sys.modules[full] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def after(codec, w, matmul, H):
     gptq._LAST_FACTOR.clear()  # each call pays its own factor (the kept one is for q/k/v sharing one H)
     return gptq.gptq_quantize(codec, w, matmul, H)
+
+
+#: (where, attribute, phase): the functions whose CPU seconds ``--phases`` charges to a phase (missing
+#: ones are skipped, so that the table outlives renames); where is a module, a class or "codec"
+def phase_table(torch, kernels):
+    J = gptq._Judge
+    return [
+        (gptq, "_prepared", "factor: prepare H'"), (torch.linalg, "cholesky_ex", "factor: Cholesky (float64)"),
+        (gptq, "_lower_inverse_in_place", "factor: triangular inverse"), (kernels, "flip_in_place", "factor: flip"),
+        (gptq, "_factor_once", "factor: other"), (gptq, "_factor", "factor: other"),
+        (J, "__init__", "judge: triangle blocks, floor"), (J, "fast", "judge: float32 products"),
+        (J, "exact", "judge: float64 re-judging"), (J, "from_gptq", "judge: error from GPTQ"),
+        (J, "choose", "judge: choice"), (J, "_pivoted_cholesky", "screen/bound: pivoted Cholesky"),
+        (J, "fast_unless_beaten", "guard: lower bound"),
+        (kernels, "plain_errors", "clip: screen scores"), (gptq, "_clip_before", "clip: other"),
+        (kernels, "gptq_block", "GPTQ: block kernel"), (kernels, "gather_transposed", "GPTQ: transposes"),
+        (kernels, "scatter_transposed", "GPTQ: transposes"), (gptq, "gptq_run", "GPTQ: updates between blocks"),
+        ("codec", "fast_data_free_codes", "guard: data-free codes"), ("codec", "gptq_grids", "candidate grids"),
+        ("codec", "encode", "encode"), (gptq, "values_of", "values of codes"), (gptq, "_pick_rows", "other"),
+        (gptq, "_quantize_rows", "other"), (gptq, "gptq_quantize", "other"),
+    ]
+
+
+def phases(codec, fn):
+    """Runs ``fn()`` with the functions of ``phase_table`` wrapped: -> {phase: own CPU seconds}."""
+    import torch
+
+    from kimi_quant.quant import gptq_kernels
+
+    own, stack, undo = {}, [], []
+
+    def wrap(orig, label):
+        def inner(*a, **kw):
+            now = time.process_time()
+            if stack:
+                stack[-1][1] += now  # pause the caller's clock
+            stack.append([label, -now])
+            try:
+                return orig(*a, **kw)
+            finally:
+                lab, acc = stack.pop()
+                now = time.process_time()
+                own[lab] = own.get(lab, 0.0) + acc + now
+                if stack:
+                    stack[-1][1] -= now
+        return inner
+
+    for where, attr, label in phase_table(torch, gptq_kernels):
+        obj = codec if where == "codec" else where
+        orig = getattr(obj, attr, None)
+        if orig is None:
+            continue
+        undo.append((obj, attr, obj.__dict__.get(attr) if where != "codec" else None, where == "codec"))
+        setattr(obj, attr, wrap(orig, label))
+    try:
+        fn()
+    finally:
+        for obj, attr, orig, is_codec in reversed(undo):
+            if is_codec:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, orig)
+    return own
 
 
 def timed(fn):
@@ -106,11 +190,14 @@ def main():
     ap.add_argument("--k", type=int, default=3584)
     ap.add_argument("--schemes", default="W4A8_DYNAMIC,W4A8_MXFP")
     ap.add_argument("--before", metavar="REV", help="also run the calibrated path of this git revision")
+    ap.add_argument("--phases", action="store_true", help="also print the new path's CPU seconds per phase")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per path, alternating; each reports its fastest "
+                    "(GPTQ and matmul apart: on a shared machine the load moves between runs)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     N, K = args.n, args.k
     rng = np.random.default_rng(0)
-    w = (0.02 * rng.standard_normal((N, K))).astype(np.float32)
+    w = bf16_to_f32(f32_to_bf16((0.02 * rng.standard_normal((N, K))).astype(np.float32)))
     x = rng.standard_normal((4096, K)).astype(np.float32)
     x[:, rng.integers(0, K, 16)] *= 20
     H = (x.T.astype(np.float64) @ x) / x.shape[0]
@@ -124,12 +211,18 @@ def main():
     print(f"{'scheme':<14}{'path':<18}{'GPTQ s':>8}{'wall s':>8}{'GFLOP/s':>9}{'matmul s':>10}{'ratio':>7}")
     for name in args.schemes.split(","):
         codec, mm = get_codec(name), ROLES[name]
-        outs = {}
-        for label, fn in runs:
-            _, t_mm, _ = timed(lambda: a @ b)
-            outs[label], t, wall = timed(lambda: fn(codec, w, mm, H))
-            _, t_mm2, _ = timed(lambda: a @ b)
-            t_mm = min(t_mm, t_mm2)
+        outs, best = {}, {}
+        for _ in range(args.repeat):  # the paths alternate; each keeps its fastest run
+            for label, fn in runs:
+                _, t_mm, _ = timed(lambda: a @ b)
+                outs[label], t, wall = timed(lambda: fn(codec, w, mm, H))
+                _, t_mm2, _ = timed(lambda: a @ b)
+                prev = best.get(label)
+                best[label] = (min(t, prev[0]) if prev else t, min(wall, prev[1]) if prev else wall,
+                               min(t_mm, t_mm2, prev[2]) if prev else min(t_mm, t_mm2))
+        t_mm = min(v[2] for v in best.values())  # one machine rate: the fastest matmul of the scheme's runs
+        for label, _ in runs:
+            t, wall, _ = best[label]
             print(f"{name:<14}{label:<18}{t:>8.2f}{wall:>8.2f}{flops / t / 1e9:>9.1f}{t_mm:>10.2f}{t / t_mm:>7.2f}",
                   flush=True)
         if args.before:
@@ -140,6 +233,11 @@ def main():
             rows = np.mean([np.array_equal(p, q) for p, q in zip(codec.dequantize(new), codec.dequantize(old))])
             print(f"{'':<14}bytes {'unchanged' if same else 'changed'}; rows with the same values {rows:.1%}; "
                   f"tr(dW H dW^T) new / before {e_new / e_old:.6f}", flush=True)
+        if args.phases:
+            own = phases(codec, lambda: after(codec, w, mm, H))
+            total = sum(own.values())
+            print("  phases (CPU s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(own.items(), key=lambda kv: -kv[1])
+                                                  if v >= 0.005) + f"; sum {total:.2f}", flush=True)
     print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 

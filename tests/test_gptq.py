@@ -445,3 +445,57 @@ def test_fast_data_free_codes_are_the_reference_rule(name):
         assert (g1.scale_bytes is None) == (g2.scale_bytes is None)
         if g1.scale_bytes is not None:
             np.testing.assert_array_equal(g1.scale_bytes, g2.scale_bytes)
+
+
+def _indefinite(H, below: float):
+    """H with its smallest eigenvalue moved to -below (a sum of float32 products can come out so)."""
+    lam, vec = np.linalg.eigh(H)
+    v = vec[:, 0]
+    return H - (lam[0] + below) * np.outer(v, v)
+
+
+@pytest.mark.parametrize("seed,kind", PROBLEMS + [(34, "indefinite"), (35, "diagonal")])
+def test_guard_bound_drops_only_rows_the_data_free_codes_lose(seed, kind):
+    """The guard judges the data-free codes only where a lower bound of their error does not already
+    exceed the best GPTQ result's (also where H is slightly indefinite: the bound uses the factor's
+    shift): every row it drops loses on the exact float64 error by more than the judge's re-judging
+    margin, the rows it keeps get ``fast``'s estimate, and most rows are dropped (none where every row
+    is a tie)."""
+    from kimi_quant.quant import gptq as G
+
+    w, H = _problem(seed, "mixed" if kind == "indefinite" else kind)
+    if kind == "indefinite":
+        H = _indefinite(H, 1e-3 * np.diagonal(H).mean())
+    if kind == "diagonal":  # no correlation: GPTQ rounds as the data-free rule, every row a tie
+        H = np.diag(np.diagonal(H))
+    cfg = GPTQConfig()
+    f = G._factor(H, w.shape[1], cfg, torch.device("cpu"))
+    grid, free = get_codec("W4A8_MXFP").data_free_codes(w, None)
+    codes, sq = G.gptq_run(w, f.U, grid, cfg, f.perm)
+    judge = G._Judge(w, H, torch.device("cpu"))
+    rival = judge.from_gptq(G.values_of(codes, grid), sq, f)
+    v = G.values_of(free, grid)
+    got = judge.fast_unless_beaten(v, rival, f)
+    dropped = np.isinf(got)
+    exact = weighted_error(w, v, H)
+    assert dropped.mean() > 0.5 if kind != "diagonal" else not dropped.any(), dropped.mean()
+    assert (exact[dropped] > rival[dropped] * (1 + 2 * G.JUDGE_RTOL)).all()
+    np.testing.assert_allclose(got[~dropped], judge.fast(v)[~dropped], rtol=1e-5)  # products over fewer rows
+
+
+@pytest.mark.parametrize("name,matmul", [("W4A8_MXFP", None), ("W8A8_MXFP8", None), ("W4A8_DYNAMIC", "down")])
+def test_guard_bound_gives_the_bytes_of_judging_every_row(monkeypatch, name, matmul):
+    """Dropping rows by the bound changes no choice: the same bytes as with every row judged."""
+    from kimi_quant.quant import gptq as G
+
+    codec = get_codec(name)
+    for seed, kind in PROBLEMS[:4]:
+        w, H = _problem(seed, kind)
+        G._LAST_FACTOR.clear()
+        fast = gptq_quantize(codec, w, matmul, H)
+        monkeypatch.setattr(G, "BOUND_MARGIN", 1.0)  # the bound never exceeds a rival: every row judged
+        G._LAST_FACTOR.clear()
+        full = gptq_quantize(codec, w, matmul, H)
+        monkeypatch.undo()
+        for k in fast:
+            assert np.array_equal(fast[k].view(np.uint8), full[k].view(np.uint8)), (name, seed, kind, k)

@@ -27,7 +27,9 @@ with a stable sort; choices between candidates are float64 argmins, see ``_Judge
 Cost, for a routed expert's [3072, 3584]: the factor (a float64 Cholesky and a float32 triangular
 inverse by matrix products), GPTQ's lazy-batch products (~N K^2 multiply-adds) and a few float32
 [N, K] x [K, K] products to judge candidates; the clip ratios are screened on an O(N K m) estimate
-first (``_clip_before``), and a GPTQ result's error comes out of GPTQ itself.  scripts/bench_gptq.py
+first (``_clip_before``), a GPTQ result's error comes out of GPTQ itself, and the guard's data-free
+codes are judged only on the rows where an O(N K m) lower bound of their error does not already lose
+(``_Judge.fast_unless_beaten``).  scripts/bench_gptq.py
 measures it against one same-thread matmul.  Memory beyond the Hessian given: one K x K working matrix
 (float32 above FLOAT64_MAX_K, in place) and a few [N, K] arrays (``working_set_bytes``).
 """
@@ -234,26 +236,29 @@ def _lower_inverse_in_place(L, leaf: int = 256):
     C.neg_()
 
 
-def _trmm(X, Y, right: bool, leaf: int = 512):
+def _trmm(X, Y, right: bool, leaf: int = 512, out=None):
     """X @ Y with the lower-triangular factor (Y if ``right``, else X) split recursively, so that its
-    zero upper part is never multiplied: half the flops of a full product."""
+    zero upper part is never multiplied: half the flops of a full product.  The parts are written
+    into ``out`` (a new matrix if None, never X or Y) where they belong."""
     import torch
 
+    if out is None:
+        out = torch.empty((X.shape[0], Y.shape[1]), dtype=X.dtype, device=X.device)
     T = Y if right else X
     n = T.shape[0]
     if n <= leaf:
-        return X @ Y
+        return torch.matmul(X, Y, out=out)
     h = n // 2
     if right:  # X [m, n] @ [[A, 0], [B, D]] = [X1 A + X2 B, X2 D]
         X1, X2 = X[:, :h], X[:, h:]
-        left = _trmm(X1, T[:h, :h], True, leaf)
-        left.addmm_(X2, T[h:, :h])
-        return torch.cat((left, _trmm(X2, T[h:, h:], True, leaf)), 1)
+        _trmm(X1, T[:h, :h], True, leaf, out[:, :h]).addmm_(X2, T[h:, :h])
+        _trmm(X2, T[h:, h:], True, leaf, out[:, h:])
+        return out
     # [[A, 0], [B, D]] @ Y [n, m] = [A Y1, B Y1 + D Y2]
     Y1, Y2 = Y[:h], Y[h:]
-    low = _trmm(T[h:, h:], Y2, False, leaf)
-    low.addmm_(T[h:, :h], Y1)
-    return torch.cat((_trmm(T[:h, :h], Y1, False, leaf), low), 0)
+    _trmm(T[h:, h:], Y2, False, leaf, out[h:]).addmm_(T[h:, :h], Y1)
+    _trmm(T[:h, :h], Y1, False, leaf, out[:h])
+    return out
 
 
 def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Factor:
@@ -283,7 +288,7 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
         else:
             L, info = torch.linalg.cholesky_ex(A.to(dev))
         if int(info) == 0:
-            L = L.to(torch.float32)
+            L = _row_major_float32(L)
             _lower_inverse_in_place(L)
             if bool(torch.isfinite(L.sum())):  # an overflow anywhere makes the sum inf or nan
                 if L.device.type == "cpu":
@@ -296,6 +301,22 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
                 return Factor(None if perm is None else perm.to(dev), U, shift + extra, bool(dead.any()))
         extra = pmean * (1e-3 if extra == 0.0 else 10.0 * extra / pmean)
     raise ValueError("hessian is not positive semi-definite (Cholesky failed even with extra dampening)")
+
+
+def _row_major_float32(L):
+    """The lower Cholesky factor as float32, row-major on the CPU (LAPACK returns it column-major; the
+    flip and GPTQ's block slices read rows); other devices keep their layout."""
+    import torch
+
+    if L.device.type != "cpu":
+        return L.to(torch.float32)
+    if L.dtype == torch.float64 and L.mT.is_contiguous():
+        from .gptq_kernels import lower_from_transposed
+
+        out = torch.empty(L.shape, dtype=torch.float32)
+        lower_from_transposed(L.mT.numpy(), out.numpy())
+        return out
+    return L.to(torch.float32, memory_format=torch.contiguous_format)
 
 
 def gptq_codes(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel: bool = True):
@@ -382,18 +403,31 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
 
 def values_of(codes: np.ndarray, grid: Grid) -> np.ndarray:
     """float32 [N, K]: the weights the codes stand for (what ``dequantize`` of the encoded bytes gives)."""
+    from .gptq_kernels import code_values
+
     N, K = codes.shape
-    if grid.kind == "int":
-        v = codes.astype(np.float32)
-    elif grid.kind == "e2m1":
-        v = nm.e2m1_to_f32(codes.astype(np.uint8))
-    else:
-        v = nm.e4m3_to_f32(codes.astype(np.uint8))
-    if grid.group >= K:
-        v *= np.asarray(grid.scale, np.float32).reshape(N, 1)
-    else:
-        v.reshape(N, K // grid.group, grid.group)[...] *= np.asarray(grid.scale, np.float32)[:, :, None]
-    return v
+    scale = np.ascontiguousarray(np.asarray(grid.scale, np.float32).reshape(N, -1))
+    out = np.empty((N, K), dtype=np.float32)
+    code_values(np.ascontiguousarray(codes), _value_table(grid.kind), scale, min(int(grid.group), K), out)
+    return out
+
+
+def _value_table(kind: str) -> np.ndarray:
+    """float32 [256]: the element value of each code byte (int: the signed byte; e2m1: sign bit 3;
+    e4m3: float8_e4m3fn)."""
+    if kind not in _VALUE_TABLES:
+        b = np.arange(256)
+        if kind == "int":
+            v = b.astype(np.uint8).view(np.int8).astype(np.float32)
+        elif kind == "e2m1":
+            v = nm.e2m1_to_f32((b & 15).astype(np.uint8))
+        else:
+            v = nm.e4m3_to_f32(b.astype(np.uint8))
+        _VALUE_TABLES[kind] = np.ascontiguousarray(v, np.float32)
+    return _VALUE_TABLES[kind]
+
+
+_VALUE_TABLES: dict = {}
 
 
 def weighted_error(w: np.ndarray, deq: np.ndarray, hessian: np.ndarray) -> np.ndarray:
@@ -436,9 +470,9 @@ class _Judge:
             edges = [round(i * K / nb) for i in range(nb + 1)]
             self.blocks = list(zip(edges[:-1], edges[1:]))
             self._kept = [self._triangle_block(a, b) for a, b in self.blocks] if K <= FLOAT64_MAX_K else None
-            self._screen = None
+            self._low_rank = {}  # (rank, shift) -> pivoted Cholesky columns, shared by every chunk of rows
         else:
-            self.blocks, self._kept, self._screen = shared.blocks, shared._kept, shared._screen
+            self.blocks, self._kept, self._low_rank = shared.blocks, shared._kept, shared._low_rank
         self.w = w
         self.W32 = torch.from_numpy(w).to(dev)
         diag = np.clip(np.diagonal(hessian), 0, None).astype(np.float32)
@@ -454,16 +488,15 @@ class _Judge:
         d H d^T = 2 sum_{k <= j} d_k T_kj d_j (products with column blocks of T skip its zero part)."""
         import torch
 
-        H = self.hessian
-        T = (np.asarray(H[:b, a:b], np.float64) + np.asarray(H[a:b, :b], np.float64).T) * 0.5
-        sq = T[a:b]  # the square part: rows a..b
-        sq[np.tril_indices(b - a, -1)] = 0
-        sq[np.diag_indices(b - a)] *= 0.5
-        return torch.from_numpy(T.astype(np.float32)).to(self.dev)
+        from .gptq_kernels import triangle_block
+
+        T = np.empty((b, b - a), dtype=np.float32)
+        triangle_block(self.hessian, a, b, T)
+        return torch.from_numpy(T).to(self.dev)
 
     def fast(self, values: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-        """float32 estimate of each row's error (of rows ``rows`` only, whose values are ``values[rows]``),
-        as float64 numpy."""
+        """float32 estimate of each row's error (of rows ``rows`` only, whose values are ``values``
+        [len(rows), K]), as float64 numpy."""
         import torch
 
         idx = np.arange(values.shape[0]) if rows is None else np.asarray(rows)
@@ -474,7 +507,7 @@ class _Judge:
             if rows is None:
                 D = self.W32[part] - torch.from_numpy(np.ascontiguousarray(values[part], np.float32)).to(self.dev)
             else:
-                D = torch.from_numpy(self.w[sel] - np.asarray(values[sel], np.float32)).to(self.dev)
+                D = torch.from_numpy(self.w[sel] - np.asarray(values[part], np.float32)).to(self.dev)
             for i, (a, b) in enumerate(self.blocks):  # sum_j (sum_{k <= j} D[:, k] T[k, j]) D[:, j]
                 T = self._kept[i] if self._kept is not None else self._triangle_block(a, b)
                 out[part] += ((D[:, :b] @ T) * D[:, a:b]).sum(dim=1, dtype=torch.float64)
@@ -524,23 +557,60 @@ class _Judge:
         diag(r), G the first m columns of H's pivoted Cholesky (largest remaining diagonal first) and r
         the remaining diagonal: the estimate |d G|^2 + sum_k d_k^2 r_k is exact on the m pivots' span and
         counts the rest by its diagonal (O(N K m) per candidate)."""
-        if self._screen is not None and self._screen[0] == rank:
-            return self._screen[1]
-        H = self.hessian
-        K = H.shape[0]
-        m = min(rank, K)
-        G = np.zeros((K, m))
-        r = np.diagonal(H).astype(np.float64).copy()
-        for j in range(m):
-            p = int(np.argmax(r))
-            if r[p] <= 0:
-                G = G[:, :j]
-                break
-            g = (0.5 * (H[:, p].astype(np.float64) + H[p, :].astype(np.float64)) - G[:, :j] @ G[p, :j]) / np.sqrt(r[p])
-            G[:, j] = g
-            r = np.maximum(r - g * g, 0.0)
-        self._screen = (rank, (G.astype(np.float32), r.astype(np.float32)))
-        return self._screen[1]
+        G, r = self._pivoted_cholesky(rank, 0.0)
+        return G.astype(np.float32), r.astype(np.float32)
+
+    def _pivoted_cholesky(self, rank: int, shift: float):
+        """(G float64 [K, m], r float64 [K]): the first m <= rank columns of the pivoted Cholesky of
+        (H + H^T) / 2 + shift I and its remaining diagonal (kept per (rank, shift), shared by the chunks)."""
+        key = (rank, shift)
+        if key not in self._low_rank:
+            H = self.hessian
+            K = H.shape[0]
+            m = min(rank, K)
+            G = np.zeros((K, m))
+            r = np.diagonal(H).astype(np.float64) + shift
+            for j in range(m):
+                p = int(np.argmax(r))
+                if r[p] <= 0:
+                    G = G[:, :j]
+                    break
+                col = 0.5 * (H[:, p].astype(np.float64) + H[p, :].astype(np.float64))
+                col[p] += shift
+                g = (col - G[:, :j] @ G[p, :j]) / np.sqrt(r[p])
+                G[:, j] = g
+                r = np.maximum(r - g * g, 0.0)
+            self._low_rank[key] = (G, r)
+        return self._low_rank[key]
+
+    def fast_unless_beaten(self, values: np.ndarray, rival: np.ndarray, factor: "Factor") -> np.ndarray:
+        """``fast``'s estimate of each row's error where it may come near ``rival`` (another candidate's
+        per-row errors, from ``fast`` or ``from_gptq``); +inf on rows where a lower bound of the exact
+        error already exceeds rival by more than BOUND_MARGIN (plus the floor): the choice there is the
+        same, without a product.  Bound: H + s I = G G^T + S with S positive semi-definite (G: pivoted
+        Cholesky columns, s: the factor's shift, with which H's Cholesky succeeded), so
+        d H d >= |d G|^2 - s |d|^2, in float64.  With dead inputs (H' is not H + s I) every row is judged."""
+        if factor.dead:
+            return self.fast(values)
+        G, _ = self._pivoted_cholesky(SCREEN_RANK, float(factor.shift))
+        n = len(self.w)
+        bound = np.empty(n)
+        for r1 in range(0, n, BOUND_ROWS):  # row blocks: float64 temporaries that stay in cache
+            D = self.w[r1:r1 + BOUND_ROWS].astype(np.float64) - np.asarray(values[r1:r1 + BOUND_ROWS], np.float64)
+            P = D @ G
+            bound[r1:r1 + len(D)] = np.einsum("nm,nm->n", P, P) - factor.shift * np.einsum("nk,nk->n", D, D)
+        judge = np.flatnonzero(~(bound * (1 - BOUND_MARGIN) > rival + self.floor))
+        out = np.full(n, np.inf)
+        if judge.size:
+            out[judge] = self.fast(np.asarray(values)[judge], judge)
+        return out
+
+
+#: rows per block of the lower bound's float64 temporaries
+BOUND_ROWS = 256
+#: relative margin by which a lower bound must exceed a rival's error for a candidate to be dropped
+#: unjudged (10x JUDGE_RTOL: such a row would never have been re-judged in float64)
+BOUND_MARGIN = 1e-2
 
 
 _LAST_FACTOR: list = []  # [(copy of H, damp, act_order, device, Factor)]: the last factor, for Linears sharing one H
@@ -642,7 +712,9 @@ def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: _Judge, 
     if cfg.guard:
         grid, codes = free
         err = next((e for g, c, e in known if np.array_equal(g.scale, grid.scale) and np.array_equal(c, codes)), None)
-        cands.append((grid, codes, judge.fast(values_of(codes, grid)) if err is None else err))
+        if err is None:  # judged only on rows where it may beat the best GPTQ result
+            err = judge.fast_unless_beaten(values_of(codes, grid), np.min([e for _, _, e in cands], axis=0), factor)
+        cands.append((grid, codes, err))
     if len(cands) == 1:
         return cands[0][1], cands[0][0]
     best, _ = judge.choose([e for _, _, e in cands],
@@ -768,7 +840,7 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, fin
                 break
             grid = _pick_rows(order[f], clipped)
             e = np.full(len(w), np.inf)
-            e[rows] = judge.fast(values_of(plain(grid), grid), rows)
+            e[rows] = judge.fast(values_of(plain(grid, rows), _rows(grid, rows)), rows)
             grids.append(grid)
             errs.append(e)
     best, _ = judge.choose(errs, [lambda rows, gr=gr: values_of(plain(gr, rows), _rows(gr, rows)) for gr in grids])

@@ -180,19 +180,70 @@ def scatter_transposed(CT, order, out):
 def plain_errors(w, scale, qmin, qmax, r, d_out):
     """Plain rounding of rows ``w`` [N, K] on per-row scales ``scale`` [N]: d_out = w - clip(rint(w / s),
     qmin, qmax) s (float32, as ``gptq.values_of`` of those codes), and per row sum_k d_k^2 r_k in
-    float64 (r float32 [K]) -> [N]."""
+    float64 (r float32 [K]), summed in k order -> [N].  Two passes per row: the rounding has no
+    dependence between elements (it vectorizes), the float64 sum is a chain."""
     N, K = w.shape
     out = np.zeros(N)
     for n in range(N):
         s = scale[n]
         row = w[n]
         d = d_out[n]
-        acc = 0.0
         for k in range(K):
             x = row[k]
             c = min(max(np.float32(np.rint(np.float32(x / s))), qmin), qmax)
-            e = np.float32(x - np.float32(c * s))
-            d[k] = e
-            acc += np.float64(np.float32(e * e)) * np.float64(r[k])
+            d[k] = np.float32(x - np.float32(c * s))
+        acc = 0.0
+        for k in range(K):
+            acc += np.float64(np.float32(d[k] * d[k])) * np.float64(r[k])
         out[n] = acc
     return out
+
+
+@njit(cache=True)
+def code_values(codes, table, scale, group, out):
+    """out[n, k] = table[codes[n, k] & 0xFF] * scale[n, k // group] in float32: the weights that codes
+    (of any integer or integral float dtype) stand for; ``table`` float32 [256] holds each code
+    byte's element value (for int grids the signed byte)."""
+    N, K = codes.shape
+    for n in range(N):
+        c = codes[n]
+        o = out[n]
+        sc = scale[n]
+        for g0 in range(0, K, group):
+            sg = sc[g0 // group]
+            for k in range(g0, min(g0 + group, K)):
+                o[k] = table[np.int64(c[k]) & 0xFF] * sg
+
+
+@njit(cache=True)
+def triangle_block(H, a, b, out):
+    """out[i, j - a] (float32 [b, b - a]) = T[i, j] for i < b, a <= j < b: T the upper triangle of
+    (H + H^T) / 2 (in float64) with its diagonal halved, zero below the diagonal; in 64 x 64 tiles
+    (H read by rows and by columns stays in cache)."""
+    t = 64
+    for i0 in range(0, b, t):
+        for j0 in range(a, b, t):
+            for i in range(i0, min(i0 + t, b)):
+                o = out[i]
+                for j in range(j0, min(j0 + t, b)):
+                    if i > j:
+                        o[j - a] = 0.0
+                    else:
+                        v = (np.float64(H[i, j]) + np.float64(H[j, i])) * 0.5
+                        if i == j:
+                            v *= 0.5
+                        o[j - a] = np.float32(v)
+
+
+@njit(cache=True)
+def lower_from_transposed(LT, out):
+    """out (float32, row-major) = the lower triangle of LT^T (LT float64 [K, K], row-major: a column-major
+    lower factor seen as its transpose), zeros above the diagonal; 64 x 64 tiles, each element cast once."""
+    K = LT.shape[0]
+    t = 64
+    for i0 in range(0, K, t):
+        for j0 in range(0, K, t):
+            for i in range(i0, min(i0 + t, K)):
+                o = out[i]
+                for j in range(j0, min(j0 + t, K)):
+                    o[j] = np.float32(LT[j, i]) if j <= i else np.float32(0.0)

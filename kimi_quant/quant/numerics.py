@@ -176,7 +176,7 @@ def int4_scale_bias(q: np.ndarray, s: np.ndarray, matmul: str | None) -> np.ndar
     """
     N, K = q.shape
     chunks = 16 if matmul == "down" else 1
-    qsum = q.reshape(N, chunks, K // chunks).astype(np.int64).sum(axis=2).astype(np.float64)
+    qsum = q.reshape(N, chunks, K // chunks).sum(axis=2, dtype=np.int64).astype(np.float64)
     with np.errstate(over="ignore"):
         return (8.0 * qsum * s.astype(np.float64)[:, None]).astype(np.float32)
 
