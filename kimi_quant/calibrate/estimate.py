@@ -32,7 +32,7 @@ from ..plan import Plan
 from ..recipe.recipe import FLOAT
 from .config import CalibConfig
 from .hessian import hessian_bytes
-from .layered import EXPERTS, GLOBAL, MLP, layer_of, stage_of
+from .layered import EXPERTS, GLOBAL, MLP, stage_of
 
 PROBE = (1024, 2048)
 #: seconds before the first layer, by executor: Python, torch and the runtime imported, the calibration text
@@ -41,7 +41,10 @@ PROBE = (1024, 2048)
 STARTUP_S = {"local": 3.0, "ray": 15.0}
 #: resident bytes of a worker process before its job (Python, numpy, torch, the GPTQ kernels):
 #: scripts/measure_gptq_memory.py measures it
-WORKER_BASE_BYTES = 450 * 1024**2
+WORKER_BASE_BYTES = 400 * 1024**2
+#: the driver's resident bytes besides its model state (Python, torch, the runtime, tokenizer, readers):
+#: measured on the tiny model's calibrated convert (docs/calibration.md)
+DRIVER_BASE_BYTES = 600 * 1024**2
 #: torch ops the forward issues per layer pass outside the routed experts (norms, attention, residual mixes),
 #: and per routed expert that runs (gather, three Linears, the GLU, the scatter-add); counted in
 #: runtime/forward.py
@@ -54,7 +57,8 @@ KDA_PASSES = 40
 
 
 def _rate(dtype, n: int = 512) -> float:
-    """FLOP/s of one n^3 matmul on one thread (best of 3)."""
+    """FLOP/s of one n^3 matmul on one thread (best of 3, in this thread's CPU time: robust when other work
+    time-shares the cores)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -63,9 +67,9 @@ def _rate(dtype, n: int = 512) -> float:
         a = torch.randn(n, n, dtype=dtype)
         best = float("inf")
         for _ in range(3):
-            t = time.perf_counter()
+            t = time.thread_time()
             a @ a
-            best = min(best, time.perf_counter() - t)
+            best = min(best, time.thread_time() - t)
     finally:
         torch.set_num_threads(threads)
     return 2 * n ** 3 / best
@@ -82,13 +86,13 @@ def _overheads() -> tuple[float, float]:
         big = torch.randn(4, 256, 256)
         op, elem = float("inf"), float("inf")
         for _ in range(3):
-            t = time.perf_counter()
+            t = time.thread_time()
             for _ in range(100):
                 x @ w
-            op = min(op, (time.perf_counter() - t) / 100)
-            t = time.perf_counter()
+            op = min(op, (time.thread_time() - t) / 100)
+            t = time.thread_time()
             torch.softmax(big, dim=-1)
-            elem = min(elem, (time.perf_counter() - t) / big.numel())
+            elem = min(elem, (time.thread_time() - t) / big.numel())
     finally:
         torch.set_num_threads(threads)
     return op, elem
@@ -108,9 +112,9 @@ def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        t = time.perf_counter()
+        t = time.thread_time()
         gptq_quantize(get_codec(scheme), w, matmul, h)
-        return time.perf_counter() - t
+        return time.thread_time() - t
     finally:
         torch.set_num_threads(threads)
 
@@ -167,38 +171,48 @@ def gptq_models(schemes: dict[str, str | None]) -> dict[str, tuple[float, float,
     return {s: stored[s] for s in schemes}
 
 
-def _hessian_key(spec, tp, layer: int, stage: int, expert: int, K: int) -> tuple:
-    """Linears fed the same input share one Hessian (q/k/v of a KDA layer, gate/up of an MLP or expert):
-    the key of that input. The stage is part of it (an attention input and an MLP input of the same
-    layer and width are different tensors); a Linear that shares nothing gets its own key."""
-    role = spec.role(tp.name)
-    shares = role.matmul in ("gate", "up") or role.role == "kda.qkv_proj"
-    return (layer, stage, expert, K, True) if shares else (layer, stage, expert, K, tp.name)
+def _linears(plan: Plan, spec):
+    """(tensor, N, K, layer, stage, expert, shares its input) of every 2-D Linear, one role lookup each.
+    Linears fed the same input share one Hessian (q/k/v of a KDA layer, gate/up of an MLP or expert)."""
+    out = []
+    for tp in plan.tensors():
+        if len(tp.shape) != 2:
+            continue
+        role = spec.role(tp.name)
+        if not role.linear:
+            continue
+        layer = GLOBAL if role.layer is None else role.layer
+        stage, expert = (EXPERTS, role.expert) if role.expert is not None else stage_of(spec, tp.name)
+        shares = role.matmul in ("gate", "up") or role.role == "kda.qkv_proj"
+        out.append((tp, *tp.shape, layer, stage, expert, shares))
+    return out
 
 
-def _jobs_and_hessians(plan: Plan, spec, cfg: CalibConfig):
+def _hessian_key(name: str, layer: int, stage: int, expert: int, K: int, shares: bool) -> tuple:
+    """The key of a Linear's input: the stage is part of it (an attention input and an MLP input of the
+    same layer and width are different tensors); a Linear that shares nothing gets its own key."""
+    return (layer, stage, expert, K, True) if shares else (layer, stage, expert, K, name)
+
+
+def _jobs_and_hessians(linears: list, cfg: CalibConfig):
     """Per GPTQ stage (layer, stage, expert batch): its jobs [(scheme, matmul, N, K)] and its Hessian keys
     {key: K}; per layer the fp32 bytes of its non-expert weights; the bytes of one routed expert's weights."""
     jobs = defaultdict(list)
     hess = defaultdict(dict)
     nonexpert = defaultdict(int)
     expert_bytes = defaultdict(int)
-    for tp in plan.tensors():
-        if len(tp.shape) != 2 or not spec.role(tp.name).linear:
-            continue
-        N, K = tp.shape
-        layer = layer_of(spec, tp.name)
-        stage, expert = stage_of(spec, tp.name)
+    for tp, N, K, layer, stage, expert, shares in linears:
         if stage == EXPERTS:
             expert_bytes[(layer, expert)] += 4 * N * K
         elif layer != GLOBAL:
             nonexpert[layer] += 4 * N * K
         if tp.scheme == FLOAT:
             continue
-        # the MLP's non-routed Linears are collected with the first batch of experts
         group = (layer, stage, expert // max(1, cfg.expert_batch) if stage == EXPERTS else 0)
         jobs[group].append((tp.scheme, tp.matmul, N, K))
-        hess[group if stage != MLP else (layer, EXPERTS, 0)][_hessian_key(spec, tp, layer, stage, expert, K)] = K
+        # the MLP's non-routed Linears are collected with the first batch of experts
+        hess[group if stage != MLP else (layer, EXPERTS, 0)][_hessian_key(tp.name, layer, stage, expert, K,
+                                                                           shares)] = K
     return jobs, hess, nonexpert, max(expert_bytes.values(), default=0)
 
 
@@ -220,7 +234,8 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
       larger of MLA's score matrices (3 x windows x heads x seq^2 x 4 B) and KDA's per-token blocks
       (8 x T x heads x head_dim x 4 B), a dense MLP's gate/up/GLU outputs (3 x T x I x 4 B);
     * Hessians: the largest stage's sums (``hessian_bytes`` each; float64 up to FLOAT64_MAX_K) plus one
-      float64 hand-out copy, as GPTQ is fed one job at a time."""
+      float64 hand-out copy, as GPTQ is fed one job at a time, plus the collector's float32 product and
+      its float64 cast for the widest float64 input (12 K^2)."""
     t = spec.text
     T, H = cfg.tokens, t.hidden_size
     blocks = -(-t.num_hidden_layers // t.attn_res_block_size) if t.attn_res_block_size else 0
@@ -233,14 +248,16 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
              "state": act * (1 + blocks + 4),
              "forward": 3 * (1 + blocks) * act + max(mla, kda, dense) + 2 * T * (t.latent_size or H) * 4,
              "hessians": stage_hessians,
-             "base": WORKER_BASE_BYTES}
+             "base": DRIVER_BASE_BYTES}
     parts["total"] = sum(parts.values())
     return parts
 
 
-def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local") -> dict:
+def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local",
+             driver_threads: int | None = None) -> dict:
     """{hours, wall_seconds, parts of the time, driver and worker memory, ...} of a calibrated conversion of
-    ``plan`` with ``workers`` on ``executor``."""
+    ``plan`` with ``workers`` on ``executor``; the driver (its forward) runs here, on ``driver_threads``
+    (default: ``min(workers, this machine's cores)``, as the run sets them)."""
     import torch
 
     t = spec.text
@@ -248,10 +265,11 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     k, E = t.num_experts_per_token, t.num_experts
     cores = os.cpu_count() or 1
     gptq_workers = max(1, min(workers, cores) if executor == "local" else workers)
-    threads = max(1, min(workers, cores))  # the driver's forward
+    threads = max(1, driver_threads or min(workers, cores))  # the driver's forward
     fp32 = _rate(torch.float32)
     op_s, elem_s = _overheads()
-    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(plan, spec, cfg)
+    linears = _linears(plan, spec)
+    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, cfg)
 
     # GPTQ: per stage, over the workers
     models = gptq_models({s: m for js in jobs.values() for s, m, _, _ in js})
@@ -272,12 +290,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     ops = 0.0
     layers = t.num_hidden_layers
     n_batches = -(-E // max(1, cfg.expert_batch)) if E else 0
-    for tp in plan.tensors():
-        if len(tp.shape) != 2 or not spec.role(tp.name).linear:
-            continue
-        N, K = tp.shape
-        layer = layer_of(spec, tp.name)
-        stage, _ = stage_of(spec, tp.name)
+    for tp, N, K, layer, stage, _, _ in linears:
         share = k / E if stage == EXPERTS else 1.0
         if layer == GLOBAL:
             passes = 1.0
@@ -312,7 +325,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     for keys in hess.values():
         ks = list(keys.values())
         copy = max((8 * K * K for K in ks if hessian_bytes(K) == 8 * K * K), default=0)
-        stage_h = max(stage_h, sum(hessian_bytes(K) for K in ks) + copy)
+        stage_h = max(stage_h, sum(hessian_bytes(K) for K in ks) + copy + copy // 8 * 12)
     driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h)
     biggest = max(((N, K) for js in jobs.values() for _, _, N, K in js), key=lambda nk: worker_bytes(*nk),
                   default=(0, 0))
