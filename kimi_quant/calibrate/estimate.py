@@ -230,9 +230,10 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
     * weights: one layer's non-expert Linears (fp32) + two routed experts (the one in use and a read-back);
     * state: T tokens x H x 4 B: the carried x and the closed residual blocks (1 + blocks), the layer's
       attention output and MLP input, the observed MLP output and the layer's output (4 more);
-    * transients of the forward: the residual mix's stacked blocks (3 x (1 + blocks) x T x H x 4 B), the
-      larger of MLA's score matrices (3 x windows x heads x seq^2 x 4 B) and KDA's per-token blocks
-      (8 x T x heads x head_dim x 4 B), a dense MLP's gate/up/GLU outputs (3 x T x I x 4 B);
+    * the largest transient of the forward (they come one after another): the residual mix's stacked
+      blocks (3 x (1 + blocks) x T x H x 4 B), MLA's score matrices (3 x windows x heads x seq^2 x 4 B),
+      KDA's per-token blocks (8 x T x heads x head_dim x 4 B), a dense MLP's gate/up/GLU outputs
+      (3 x T x I x 4 B) or the MoE's latent input and output;
     * Hessians: the largest stage's sums (``hessian_bytes`` each; float64 up to FLOAT64_MAX_K) plus one
       float64 hand-out copy, as GPTQ is fed one job at a time, plus the collector's float32 product and
       its float64 cast for the widest float64 input (12 K^2)."""
@@ -246,7 +247,8 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
     dense = 3 * T * (t.intermediate_size or 0) * 4
     parts = {"weights": layer_weights + 2 * expert_weights,
              "state": act * (1 + blocks + 4),
-             "forward": 3 * (1 + blocks) * act + max(mla, kda, dense) + 2 * T * (t.latent_size or H) * 4,
+             # one at a time: the residual mix, then the attention, then the MLP (the MoE's latent in/out)
+             "forward": max(3 * (1 + blocks) * act, mla, kda, dense + 2 * T * (t.latent_size or H) * 4),
              "hessians": stage_hessians,
              "base": DRIVER_BASE_BYTES}
     parts["total"] = sum(parts.values())
@@ -287,7 +289,6 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
 
     # forward and Hessians: serial in the driver, on its threads
     fwd_flops = hess_flops = 0.0
-    ops = 0.0
     layers = t.num_hidden_layers
     n_batches = -(-E // max(1, cfg.expert_batch)) if E else 0
     for tp, N, K, layer, stage, _, _ in linears:

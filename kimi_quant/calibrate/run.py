@@ -11,7 +11,7 @@ Memory (``estimate.driver_bytes`` and ``estimate.worker_bytes`` count it; ``plan
               FLOAT64_MAX_K, factored in place; ``gptq.working_set_bytes``)
 
 K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, batches of 32 experts): the largest job, the layer-0
-dense down projection [7168, 33792], ~12.7 GB; the driver ~27 GB (docs/calibration.md). Full Hessians of
+dense down projection [7168, 33792], ~12.7 GB; the driver ~22 GB (docs/calibration.md). Full Hessians of
 the whole model could never be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB):
 Hessians live only while that layer is quantized.
 
