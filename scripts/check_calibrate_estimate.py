@@ -58,7 +58,8 @@ def main() -> int:
         t = time.perf_counter()
         r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)})
         measured = time.perf_counter() - t
-        rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        rss, cpu = usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
     print(f"load average after: {os.getloadavg()}")
     if r.returncode:
         print(f"convert failed (exit {r.returncode}): {' '.join(cmd)}")
@@ -66,7 +67,8 @@ def main() -> int:
     ratio = e["wall_seconds"] / measured
     print(f"{args.preset or args.source} -> {args.target}, {args.tokens} tokens, {args.workers} {args.executor} workers")
     print(f"  wall: estimated {e['wall_seconds']:.1f} s (start-up {e['startup_s']:.1f}, forward {e['forward_s']:.1f}, "
-          f"Hessians {e['hessian_s']:.1f}, GPTQ {e['gptq_s']:.1f}), measured {measured:.1f} s: ratio {ratio:.2f}")
+          f"Hessians {e['hessian_s']:.1f}, GPTQ {e['gptq_s']:.1f}), measured {measured:.1f} s: ratio {ratio:.2f} "
+          f"(the convert's CPU time {cpu:.1f} s: with 1 worker on a loaded machine, the closer proxy)")
     print(f"  memory: estimated peak here {e['memory_bytes'] / 1e9:.2f} GB (driver {e['driver_memory_bytes'] / 1e9:.2f}, "
           f"worker {e['worker_memory_bytes'] / 1e9:.2f}), measured max RSS of one process {rss / 1e9:.2f} GB")
     return 0 if abs(ratio - 1) <= args.tolerance else 1
