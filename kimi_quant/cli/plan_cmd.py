@@ -135,7 +135,7 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"{e['driver_threads']} threads), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
             f"workers, at most {e['max_parallel_jobs']} at once); {cal.tokens} tokens",
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
-            "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.1f} s" for k, v in e["gptq_s_per_expert_matrix"].items())
+            "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
             + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",
             f"         memory ~{fmt_size(e['worker_memory_bytes'])} per worker (its largest GPTQ job, "
             f"[{e['worker_memory_tensor_shape'][0]}, {e['worker_memory_tensor_shape'][1]}]), "
