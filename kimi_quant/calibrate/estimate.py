@@ -1,23 +1,28 @@
-"""``plan --calibrate``: time and memory of a calibrated conversion, from the plan and two measurements.
+"""``plan --calibrate``: wall time and memory of a calibrated conversion on a described cluster.
 
-Time = forward + Hessians + GPTQ, in core-seconds, divided by the cores:
+The run (calibrate/run.py) is one driver, layer by layer, and GPTQ jobs spread over the workers:
 
-* forward: 2 FLOPs per active weight per token, times the passes the driver makes over a layer
-  (attention twice: observed, then re-run quantized; the MLP twice: observed and output, plus one
-  more over the routed experts when they are observed in several batches), at the fp32 matmul rate
-  measured here on one core;
-* Hessians: 2 K^2 FLOPs per token per Linear input (q/k/v and w1/w3 share theirs; a routed expert
-  only from its own tokens: k/E of them), at the fp64 rate measured here;
-* GPTQ: measured here per scheme on a [256, 512] and a [1024, 2048] matrix, fitted to
-  a K + b (N K^2 + K^3) (per-column steps; the update and Cholesky arithmetic) and summed over the plan.
+* the driver runs the forward of the calibration tokens through every layer, serially, on its own
+  threads (``min(workers, cores of this machine)``): per layer the attention twice (observed, then
+  re-run quantized), the MLP twice (observed, and the output from the bytes written) and once more
+  per further batch of routed experts, and it forms the Hessians (``2 K^2`` per token per distinct
+  input, a routed expert only from its own tokens, k/E of them);
+* the GPTQ jobs of one stage (a layer's attention, its dense or non-routed MLP Linears, one batch of
+  ``expert_batch`` routed experts) run at once over the workers: the stage takes
+  ``max(sum of its jobs / workers, its longest job)``; local workers are capped at this machine's
+  cores, Ray workers are not (a stage never has more jobs than 3 x expert_batch).
 
-Memory is the formula in :mod:`kimi_quant.calibrate.run`, evaluated for this model, per worker (the
-calibrated run is one process: its driver state and, at its peak, the GPTQ of the plan's largest
-matrix with that matrix's Hessian as handed over).
+Rates, measured here in well under a second each: fp32 matmul on one thread (the forward's Linears,
+attention scores, Hessian products), seconds per element of the attention's elementwise work, the
+fixed cost of one small torch op (the forward's Python overhead per op), and GPTQ on two small
+matrices per scheme, fitted to ``a K + b (N K^2 + K^3)``. Start-up is stated in ``STARTUP_S`` (measured:
+docs/calibration.md). Memory: ``driver_bytes`` and ``worker_bytes`` below (the run's own accounting,
+checked against measured peaks by scripts/measure_gptq_memory.py).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 
@@ -26,13 +31,34 @@ import numpy as np
 from ..plan import Plan
 from ..recipe.recipe import FLOAT
 from .config import CalibConfig
-from .layered import EXPERTS, GLOBAL, layer_of, stage_of
+from .hessian import hessian_bytes
+from .layered import EXPERTS, GLOBAL, MLP, stage_of
 
 PROBE = (1024, 2048)
+#: seconds before the first layer, by executor: Python, torch and the runtime imported, the calibration text
+#: tokenized and embedded, workers started (Ray: the cluster joined, each worker's imports); measured, see
+#: docs/calibration.md
+STARTUP_S = {"local": 3.0, "ray": 15.0}
+#: resident bytes of a worker process before its job (Python, numpy, torch, the GPTQ kernels):
+#: scripts/measure_gptq_memory.py measures it
+WORKER_BASE_BYTES = 400 * 1024**2
+#: the driver's resident bytes besides its model state (Python, torch, the runtime, tokenizer, readers):
+#: measured on the tiny model's calibrated convert (docs/calibration.md)
+DRIVER_BASE_BYTES = 600 * 1024**2
+#: torch ops the forward issues per layer pass outside the routed experts (norms, attention, residual mixes),
+#: and per routed expert that runs (gather, three Linears, the GLU, the scatter-add); counted in
+#: runtime/forward.py
+OPS_PER_LAYER_PASS = 150
+OPS_PER_EXPERT = 14
+#: elementwise passes over an MLA score matrix (scale, mask, softmax, indexer scores and top-k) and over a
+#: KDA chunk's [C, C] and [C, d] blocks
+SCORE_PASSES = 12
+KDA_PASSES = 40
 
 
 def _rate(dtype, n: int = 512) -> float:
-    """FLOP/s of one n^3 matmul on one thread (best of 3)."""
+    """FLOP/s of one n^3 matmul on one thread (best of 3, in this thread's CPU time: robust when other work
+    time-shares the cores)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -41,12 +67,35 @@ def _rate(dtype, n: int = 512) -> float:
         a = torch.randn(n, n, dtype=dtype)
         best = float("inf")
         for _ in range(3):
-            t = time.perf_counter()
+            t = time.thread_time()
             a @ a
-            best = min(best, time.perf_counter() - t)
+            best = min(best, time.thread_time() - t)
     finally:
         torch.set_num_threads(threads)
     return 2 * n ** 3 / best
+
+
+def _overheads() -> tuple[float, float]:
+    """(seconds of one small torch op, seconds per element of a large elementwise pass) on one thread."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, w = torch.randn(4, 16), torch.randn(16, 16)
+        big = torch.randn(4, 256, 256)
+        op, elem = float("inf"), float("inf")
+        for _ in range(3):
+            t = time.thread_time()
+            for _ in range(100):
+                x @ w
+            op = min(op, (time.thread_time() - t) / 100)
+            t = time.thread_time()
+            torch.softmax(big, dim=-1)
+            elem = min(elem, (time.thread_time() - t) / big.numel())
+    finally:
+        torch.set_num_threads(threads)
+    return op, elem
 
 
 def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
@@ -63,113 +112,235 @@ def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        t = time.perf_counter()
+        t = time.thread_time()
         gptq_quantize(get_codec(scheme), w, matmul, h)
-        return time.perf_counter() - t
+        return time.thread_time() - t
     finally:
         torch.set_num_threads(threads)
 
 
-def gptq_model(scheme: str, matmul: str | None) -> tuple[float, float]:
-    """(a, b) of t(N, K) = a K + b (N K^2 + K^3) seconds on one core, fitted to two measured sizes:
-    GPTQ walks the K columns one at a time (a fixed cost each) and does O(N K^2 + K^3) arithmetic."""
+def gptq_model(scheme: str, matmul: str | None) -> tuple[float, float, float]:
+    """(c, a, b) of t(N, K) = c + a K + b (N K^2 + K^3) seconds on one core: a fixed cost per job (c, an
+    [8, 64] matrix), per column (GPTQ walks the K columns one at a time) and O(N K^2 + K^3) arithmetic,
+    fitted to two measured sizes."""
     sizes = [(256, 512), PROBE]
-    _gptq_seconds(scheme, matmul, 8, 64)  # loads the kernels: not part of either probe
-    ts = [_gptq_seconds(scheme, matmul, n, k) for n, k in sizes]
+    _gptq_seconds(scheme, matmul, 8, 64)  # loads the kernels: not part of any probe
+    c = min(_gptq_seconds(scheme, matmul, 8, 64) for _ in range(3))
+    ts = [_gptq_seconds(scheme, matmul, n, k) - c for n, k in sizes]
     A = np.array([[k, n * k * k + k ** 3] for n, k in sizes], dtype=np.float64)
     a, b = np.linalg.solve(A, np.array(ts))
     if a < 0 or b < 0:  # noise: fall back to the pure FLOP model through the larger probe
         n, k = PROBE
-        return 0.0, ts[1] / (n * k * k + k ** 3)
-    return float(a), float(b)
+        return c, 0.0, max(ts[1], 0.0) / (n * k * k + k ** 3)
+    return c, float(a), float(b)
 
 
-def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int) -> dict:
-    """{hours, core_hours, forward_core_h, hessian_core_h, gptq_core_h, memory_bytes, ...} for ``plan``."""
-    t = spec.text
-    T = cfg.tokens
-    k, E = t.num_experts_per_token, t.num_experts
-    flops_fwd = 0.0  # per token, all passes
-    flops_h = 0.0  # per token
-    gptq_cost = defaultdict(lambda: np.zeros(2))  # scheme -> sums of (K, N K^2 + K^3)
-    probe = {}
-    per_layer_nonexpert = defaultdict(int)
-    expert_bytes = 0
-    seen_inputs = set()
-    gptq_peak, gptq_peak_name = 0, None
+def _models_path():
+    from ..cache import cache_dir
+
+    return cache_dir() / "gptq_rates.json"
+
+
+def gptq_models(schemes: dict[str, str | None]) -> dict[str, tuple[float, float, float]]:
+    """``gptq_model`` per scheme ({scheme: a matmul it is used for}), stored in the kimi-quant cache for this
+    machine and this code (the probes take a few seconds; ``plan`` is asked often)."""
+    import json
+
+    from .. import __version__
+    from ..cache import cpu_key, read_private, write_private
+    from ..estimate import code_fingerprint
+
+    ident = f"{__version__} {cpu_key()} {code_fingerprint()}"
+    stored = {}
+    try:
+        d = json.loads((read_private(_models_path()) or b"{}").decode())
+        if isinstance(d, dict) and d.get("ident") == ident and isinstance(d.get("models"), dict):
+            stored = {s: tuple(float(x) for x in v) for s, v in d["models"].items()
+                      if isinstance(v, list) and len(v) == 3 and all(isinstance(x, float) and x >= 0 for x in v)}
+    except (ValueError, TypeError, UnicodeDecodeError):
+        stored = {}
+    todo = [s for s in schemes if s not in stored]
+    for s in todo:
+        stored[s] = gptq_model(s, schemes[s])
+    if todo:
+        try:
+            write_private(_models_path(), json.dumps({"ident": ident, "models": {s: list(v) for s, v in
+                                                                                 stored.items()}}).encode())
+        except OSError:
+            pass  # a read-only cache costs the probes next time
+    return {s: stored[s] for s in schemes}
+
+
+def _linears(plan: Plan, spec):
+    """(tensor, N, K, layer, stage, expert, shares its input) of every 2-D Linear, one role lookup each.
+    Linears fed the same input share one Hessian (q/k/v of a KDA layer, gate/up of an MLP or expert)."""
+    out = []
     for tp in plan.tensors():
         if len(tp.shape) != 2:
             continue
-        N, K = tp.shape
-        layer = layer_of(spec, tp.name)
-        stage, expert = stage_of(spec, tp.name)
         role = spec.role(tp.name)
         if not role.linear:
             continue
-        share = k / E if stage == EXPERTS else 1.0
-        passes = 2.0 if layer == GLOBAL else (3.0 if stage == EXPERTS and E > cfg.expert_batch else 2.0)
-        flops_fwd += 2 * N * K * share * passes
+        layer = GLOBAL if role.layer is None else role.layer
+        stage, expert = (EXPERTS, role.expert) if role.expert is not None else stage_of(spec, tp.name)
+        shares = role.matmul in ("gate", "up") or role.role == "kda.qkv_proj"
+        out.append((tp, *tp.shape, layer, stage, expert, shares))
+    return out
+
+
+def _hessian_key(name: str, layer: int, stage: int, expert: int, K: int, shares: bool) -> tuple:
+    """The key of a Linear's input: the stage is part of it (an attention input and an MLP input of the
+    same layer and width are different tensors); a Linear that shares nothing gets its own key."""
+    return (layer, stage, expert, K, True) if shares else (layer, stage, expert, K, name)
+
+
+def _jobs_and_hessians(linears: list, cfg: CalibConfig):
+    """Per GPTQ stage (layer, stage, expert batch): its jobs [(scheme, matmul, N, K)] and its Hessian keys
+    {key: K}; per layer the fp32 bytes of its non-expert weights; the bytes of one routed expert's weights."""
+    jobs = defaultdict(list)
+    hess = defaultdict(dict)
+    nonexpert = defaultdict(int)
+    expert_bytes = defaultdict(int)
+    for tp, N, K, layer, stage, expert, shares in linears:
         if stage == EXPERTS:
-            expert_bytes = max(expert_bytes, N * K * 4 * 3)
+            expert_bytes[(layer, expert)] += 4 * N * K
         elif layer != GLOBAL:
-            per_layer_nonexpert[layer] += N * K * 4
-        if tp.scheme != FLOAT:
-            # Linears fed the same input share one Hessian (q/k/v of a layer, w1/w3 of an expert)
-            key = (layer, expert, K, role.matmul in ("gate", "up") or role.role == "kda.qkv_proj")
-            if key not in seen_inputs or not key[3]:
-                seen_inputs.add(key)
-                flops_h += 2 * K * K * share
-            gptq_cost[tp.scheme] += np.array([K, N * K * K + K ** 3], dtype=np.float64)
-            probe.setdefault(tp.scheme, tp.matmul)
-            job = gptq_job_bytes(N, K)
-            if job > gptq_peak:
-                gptq_peak, gptq_peak_name = job, tp.name
-    fp32, fp64 = _rate(__import__("torch").float32), _rate(__import__("torch").float64)
-    gptq_s = 0.0
-    per_expert = {}
-    for scheme, cost in gptq_cost.items():
-        a, b = gptq_model(scheme, probe[scheme])
-        gptq_s += a * cost[0] + b * cost[1]
-        R, I = t.latent_size, t.moe_intermediate_size
-        per_expert[scheme] = a * R + b * (I * R * R + R ** 3)  # one [I, R] expert matrix (w1 / w3)
-    fwd_s = flops_fwd * T / fp32
-    hess_s = flops_h * T / fp32  # x^T x is formed in float32 (calibrate.hessian), summed in float64
-    core_s = fwd_s + hess_s + gptq_s
-    return {"hours": core_s / max(1, workers) / 3600, "core_hours": core_s / 3600, "workers": workers,
-            "forward_core_h": fwd_s / 3600, "hessian_core_h": hess_s / 3600, "gptq_core_h": gptq_s / 3600,
-            "fp32_gflops": fp32 / 1e9, "fp64_gflops": fp64 / 1e9,
-            "gptq_s_per_expert_matrix": per_expert,
-            "memory_bytes": memory_bytes(spec, cfg, max(per_layer_nonexpert.values(), default=0), expert_bytes,
-                                         gptq_peak),
-            "gptq_memory_bytes": gptq_peak, "gptq_memory_tensor": gptq_peak_name}
+            nonexpert[layer] += 4 * N * K
+        if tp.scheme == FLOAT:
+            continue
+        group = (layer, stage, expert // max(1, cfg.expert_batch) if stage == EXPERTS else 0)
+        jobs[group].append((tp.scheme, tp.matmul, N, K))
+        # the MLP's non-routed Linears are collected with the first batch of experts
+        hess[group if stage != MLP else (layer, EXPERTS, 0)][_hessian_key(tp.name, layer, stage, expert, K,
+                                                                           shares)] = K
+    return jobs, hess, nonexpert, max(expert_bytes.values(), default=0)
 
 
-def gptq_job_bytes(N: int, K: int) -> int:
-    """Memory of quantizing one [N, K] Linear with GPTQ: its weight (float32), its Hessian as the
-    collector hands it over (float64, a new array beside the collector's own sum) and GPTQ's working
-    set (``gptq.working_set_bytes``: one K x K float32 matrix above K 8192, row chunks, codes)."""
+def worker_bytes(N: int, K: int) -> int:
+    """Resident bytes of a worker quantizing one [N, K] Linear: its base, the weight (float32), the Hessian
+    as received (``hessian.hessian_bytes``) and GPTQ's working set (``gptq.working_set_bytes``)."""
     from ..quant.gptq import working_set_bytes
 
-    return 4 * N * K + 8 * K * K + working_set_bytes(N, K)
+    return WORKER_BASE_BYTES + 4 * N * K + hessian_bytes(K) + working_set_bytes(N, K)
 
 
-def memory_bytes(spec, cfg: CalibConfig, layer_nonexpert_f32: int, expert_f32: int, gptq_job: int) -> int:
-    """The resident-memory formula of :mod:`kimi_quant.calibrate.run` for this model (one worker):
-    the driver's state, the Hessian sums being collected, and the largest GPTQ job (``gptq_job``,
-    ``gptq_job_bytes`` of the plan's largest quantized matrix)."""
+def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int, stage_hessians: int) -> dict:
+    """The driver's resident bytes at its peak, by part (the run's accounting, ``calibrate/run.py``):
+
+    * weights: one layer's non-expert Linears (fp32) + two routed experts (the one in use and a read-back);
+    * state: T tokens x H x 4 B: the carried x and the closed residual blocks (1 + blocks), the layer's
+      attention output and MLP input, the observed MLP output and the layer's output (4 more);
+    * the largest transient of the forward (they come one after another): the residual mix's stacked
+      blocks (3 x (1 + blocks) x T x H x 4 B), MLA's score matrices (3 x windows x heads x seq^2 x 4 B),
+      KDA's per-token blocks (8 x T x heads x head_dim x 4 B), a dense MLP's gate/up/GLU outputs
+      (3 x T x I x 4 B) or the MoE's latent input and output;
+    * Hessians: the largest stage's sums (``hessian_bytes`` each; float64 up to FLOAT64_MAX_K) plus one
+      float64 hand-out copy, as GPTQ is fed one job at a time, plus the collector's float32 product and
+      its float64 cast for the widest float64 input (12 K^2)."""
     t = spec.text
     T, H = cfg.tokens, t.hidden_size
-    R, I, k = t.latent_size, t.moe_intermediate_size, t.num_experts_per_token
     blocks = -(-t.num_hidden_layers // t.attn_res_block_size) if t.attn_res_block_size else 0
-    states = T * H * 4 * (2 + blocks) * 2
-    routed = T * k * (R + I) * 4
+    act = T * H * 4
     windows = max(1, T // cfg.seq_len)
-    heads = max(t.num_attention_heads, t.kda_num_heads)
-    attention = windows * heads * cfg.seq_len ** 2 * 4 * 2
-    # float64 sums held while a stage is quantized: the attention side (~3 H^2), a dense MLP (gate/up
-    # share one: H^2, its down projection: intermediate^2), or a MoE layer's non-routed Linears + a
-    # batch of experts
-    dense = H * H + (t.intermediate_size or 0) ** 2
-    moe = cfg.expert_batch * (R * R + I * I) + 2 * H * H + (I * t.num_shared_experts) ** 2
-    hessians = max(3 * H * H, dense, moe) * 8
-    return int(layer_nonexpert_f32 + 2 * expert_f32 + states + routed + attention + hessians + gptq_job + 300e6)
+    mla = 3 * windows * t.num_attention_heads * cfg.seq_len ** 2 * 4
+    kda = 8 * T * t.kda_num_heads * t.kda_head_dim * 4 if t.kda_num_heads else 0
+    dense = 3 * T * (t.intermediate_size or 0) * 4
+    parts = {"weights": layer_weights + 2 * expert_weights,
+             "state": act * (1 + blocks + 4),
+             # one at a time: the residual mix, then the attention, then the MLP (the MoE's latent in/out)
+             "forward": max(3 * (1 + blocks) * act, mla, kda, dense + 2 * T * (t.latent_size or H) * 4),
+             "hessians": stage_hessians,
+             "base": DRIVER_BASE_BYTES}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local",
+             driver_threads: int | None = None) -> dict:
+    """{hours, wall_seconds, parts of the time, driver and worker memory, ...} of a calibrated conversion of
+    ``plan`` with ``workers`` on ``executor``; the driver (its forward) runs here, on ``driver_threads``
+    (default: ``min(workers, this machine's cores)``, as the run sets them)."""
+    import torch
+
+    t = spec.text
+    T = cfg.tokens
+    k, E = t.num_experts_per_token, t.num_experts
+    cores = os.cpu_count() or 1
+    gptq_workers = max(1, min(workers, cores) if executor == "local" else workers)
+    threads = max(1, driver_threads or min(workers, cores))  # the driver's forward
+    fp32 = _rate(torch.float32)
+    op_s, elem_s = _overheads()
+    linears = _linears(plan, spec)
+    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, cfg)
+
+    # GPTQ: per stage, over the workers
+    models = gptq_models({s: m for js in jobs.values() for s, m, _, _ in js})
+    cost = lambda s, m, N, K: models[s][0] + models[s][1] * K + models[s][2] * (N * K * K + K ** 3)  # noqa: E731
+    gptq_wall = gptq_core = 0.0
+    per_expert = {}
+    for group, js in jobs.items():
+        secs = [cost(*j) for j in js]
+        gptq_core += sum(secs)
+        gptq_wall += max(sum(secs) / gptq_workers, max(secs))
+        if group[1] == EXPERTS:
+            for s, m, N, K in js:
+                if m in ("gate", "up") and s not in per_expert:
+                    per_expert[s] = cost(s, m, N, K)
+
+    # forward and Hessians: serial in the driver, on its threads
+    fwd_flops = hess_flops = 0.0
+    layers = t.num_hidden_layers
+    n_batches = -(-E // max(1, cfg.expert_batch)) if E else 0
+    for tp, N, K, layer, stage, _, _ in linears:
+        share = k / E if stage == EXPERTS else 1.0
+        if layer == GLOBAL:
+            passes = 1.0
+        elif stage == EXPERTS:  # observed with every expert, once in its own batch, then the output
+            passes = 2.0 + (n_batches > 1)
+        elif stage == MLP and not t.is_dense(layer):  # every batch's pass runs the non-routed MoE Linears too
+            passes = 1.0 + n_batches
+        else:
+            passes = 2.0
+        fwd_flops += 2 * N * K * share * passes * T
+    for keys in hess.values():
+        for key, K in keys.items():
+            hess_flops += 2 * K * K * T * (k / E if key[1] == EXPERTS else 1.0)
+    windows = max(1, T // cfg.seq_len)
+    mla_layers = sum(1 for i in range(layers) if not (t.is_kda(i) and not t.is_full_attn(i)))
+    kda_layers = layers - mla_layers
+    score = windows * cfg.seq_len ** 2
+    qk = (t.qk_nope_head_dim or 0) + (t.qk_rope_head_dim or 0) + (t.v_head_dim or 0)
+    attn_s_1 = (mla_layers * score * (t.num_attention_heads * 2 * qk / fp32
+                                      + (t.num_attention_heads + (t.index_n_heads or 0)) * SCORE_PASSES * elem_s))
+    if kda_layers:
+        d, C = t.kda_head_dim, 64
+        attn_s_1 += kda_layers * T * t.kda_num_heads * (6 * d * (d + C) / fp32 + KDA_PASSES * (d + C) * elem_s)
+    ops = layers * 4 * OPS_PER_LAYER_PASS + (layers - t.first_k_dense_replace) * min(E, T * k) * OPS_PER_EXPERT * 3
+    fwd_s_1 = fwd_flops / fp32 + 2 * attn_s_1 + ops * op_s
+    hess_s_1 = hess_flops / fp32
+    forward_wall = (fwd_s_1 + hess_s_1) / threads
+    startup = STARTUP_S.get(executor, STARTUP_S["local"])
+    wall = startup + forward_wall + gptq_wall
+
+    stage_h = 0
+    for keys in hess.values():
+        ks = list(keys.values())
+        copy = max((8 * K * K for K in ks if hessian_bytes(K) == 8 * K * K), default=0)
+        stage_h = max(stage_h, sum(hessian_bytes(K) for K in ks) + copy + copy // 8 * 12)
+    driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h)
+    biggest = max(((N, K) for js in jobs.values() for _, _, N, K in js), key=lambda nk: worker_bytes(*nk),
+                  default=(0, 0))
+    worker = worker_bytes(*biggest) if biggest[0] else WORKER_BASE_BYTES
+    local_workers = min(workers, cores) if executor == "local" else 0
+    local_peak = driver["total"] + max((sum(sorted((worker_bytes(N, K) for _, _, N, K in js), reverse=True)[:local_workers])
+                                        for js in jobs.values()), default=0)
+    return {"hours": wall / 3600, "wall_seconds": wall, "workers": workers, "executor": executor,
+            "gptq_workers": gptq_workers, "driver_threads": threads, "startup_s": startup,
+            "forward_s": fwd_s_1 / threads, "hessian_s": hess_s_1 / threads, "gptq_s": gptq_wall,
+            "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
+            "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
+            "max_parallel_jobs": max((len(js) for js in jobs.values()), default=0),
+            "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,
+            "driver_memory_bytes": driver["total"], "driver_memory": driver,
+            "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(biggest),
+            "memory_bytes": local_peak if executor == "local" else driver["total"]}

@@ -5,6 +5,9 @@ For a Linear ``y = x W^T`` with inputs x_1..x_n (the calibration tokens that rea
 attention, w1/w3 of one expert) share one accumulator: the product is formed once.
 Each call's product ``x^T x`` is formed in float32 (half the time of float64; bf16 inputs make every
 term exact, only the sum over that call's tokens rounds: ~1e-6 relative) and added to a float64 sum.
+Above ``gptq.FLOAT64_MAX_K`` inputs (a dense MLP's down projection, K ~ 34k: 9 GB in float64) the
+sum itself is float32, accumulated in place (``addmm_``), and handed to GPTQ as it is, divided in
+place: one K x K float32 matrix for the Hessian's whole life (GPTQ works in float32 at that size).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
+
+from ..quant.gptq import FLOAT64_MAX_K
 
 
 class HessianCollector:
@@ -28,6 +33,7 @@ class HessianCollector:
         self._n: dict[int, int] = {}
         self._recent: list[tuple[torch.Tensor, int]] = []
         self._next = 0
+        self._final: set[int] = set()  # float32 sums already divided in place and handed out
 
     def want(self, names: Iterable[str]) -> None:
         self._want.update(names)
@@ -41,12 +47,18 @@ class HessianCollector:
             return
         key = self._key.get(name)
         xf = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
+        K = xf.shape[1]
         if key is None:
             key = self._key[name] = self._next
             self._next += 1
-            self._sum[key] = torch.zeros(xf.shape[1], xf.shape[1], dtype=torch.float64)
+            self._sum[key] = torch.zeros(K, K, dtype=torch.float64 if K <= FLOAT64_MAX_K else torch.float32)
             self._n[key] = 0
-        self._sum[key] += (xf.t() @ xf).to(torch.float64)
+        if key in self._final:
+            raise RuntimeError(f"{name}: inputs observed after its Hessian was handed out")
+        if self._sum[key].dtype == torch.float64:
+            self._sum[key] += (xf.t() @ xf).to(torch.float64)
+        else:
+            self._sum[key].addmm_(xf.t(), xf)
         self._n[key] += xf.shape[0]
         self._recent = (self._recent + [(x, key)])[-self.RECENT:]
 
@@ -56,11 +68,18 @@ class HessianCollector:
         return 0 if key is None else self._n[key]
 
     def hessian(self, name: str) -> np.ndarray | None:
-        """``(1/n) sum x x^T`` as float64 [K, K], or None when no token reached ``name``."""
+        """``(1/n) sum x x^T`` [K, K], or None when no token reached ``name``: float64, a new array, up to
+        FLOAT64_MAX_K; above it the float32 sum itself, divided in place (no further inputs accepted)."""
         key = self._key.get(name)
         if key is None or self._n[key] == 0:
             return None
-        return (self._sum[key] / self._n[key]).numpy()
+        h = self._sum[key]
+        if h.dtype == torch.float64:
+            return (h / self._n[key]).numpy()
+        if key not in self._final:
+            h.div_(self._n[key])
+            self._final.add(key)
+        return h.numpy()
 
     def drop(self, names: Iterable[str]) -> None:
         """Forget ``names`` (their H is used); an accumulator goes when no name refers to it."""
@@ -70,8 +89,15 @@ class HessianCollector:
         live = set(self._key.values())
         for k in [k for k in self._sum if k not in live]:
             del self._sum[k], self._n[k]
+            self._final.discard(k)
         self._recent = [(r, k) for r, k in self._recent if k in live]
 
     @property
     def held_bytes(self) -> int:
-        return sum(t.numel() * 8 for t in self._sum.values())
+        return sum(t.numel() * t.element_size() for t in self._sum.values())
+
+
+def hessian_bytes(K: int) -> int:
+    """Bytes of one [K, K] Hessian as the collector holds and hands it over (the float64 hand-out is a
+    new array: count it with the sum)."""
+    return K * K * (8 if K <= FLOAT64_MAX_K else 4)

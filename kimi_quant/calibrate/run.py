@@ -1,21 +1,19 @@
 """The calibrated conversion driver (``convert --calibrate``): layer by layer, journaled, resumable.
 
-Memory, at any moment (``estimate.memory_bytes`` evaluates it; ``plan --calibrate`` prints it)::
+Memory (``estimate.driver_bytes`` and ``estimate.worker_bytes`` count it; ``plan --calibrate`` prints both):
 
-    one layer's non-expert weights, fp32                  attention, shared experts, latent projections, dense MLP
-  + 2 routed experts' weights, fp32                       the one in use (read on demand) and its read-back
-  + activations  T x H x 4 B x (2 + blocks) x 2           the state (x, residual blocks) in and out, T tokens
-               + T x k x (R + I) x 4 B                    routed expert inputs during the MoE pass
-               + windows x heads x seq_len^2 x 4 B x 2    attention scores of one window batch
-  + Hessians of the Linears being quantized               attention side (~3 H^2), or the MLP's non-routed
-                                                          Linears + one batch of experts: batch x (R^2 + I^2)
-                                                          (x 8 B, float64)
-  + one GPTQ working set                                  ~3 N K x 4 B + 3 K^2 x 8 B for the largest matrix
+  driver   one layer's non-expert weights (fp32) + 2 routed experts (in use, read back)
+         + state: T x H x 4 B x (1 + blocks + 4)            x and the residual blocks, attention out, MLP in/out
+         + forward transients: the residual mix's stack, MLA scores / KDA blocks / a dense MLP's outputs
+         + the Hessians of one stage (float64 up to FLOAT64_MAX_K, float32 above, summed in place and
+           handed to GPTQ without a copy): attention side, or the MLP's non-routed Linears + a batch of experts
+  a GPTQ job  the weight (fp32) + its Hessian + GPTQ's working set (one K x K float32 matrix above
+              FLOAT64_MAX_K, factored in place; ``gptq.working_set_bytes``)
 
-K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, batches of 32 experts): ~65 GB, of which ~27 GB is
-the GPTQ of the layer-0 dense down projection (K = 33792). Full Hessians of the whole model could never
-be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB): Hessians live only while
-that layer is quantized.
+K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, batches of 32 experts): the largest job, the layer-0
+dense down projection [7168, 33792], ~12.7 GB; the driver ~22 GB (docs/calibration.md). Full Hessians of
+the whole model could never be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB):
+Hessians live only while that layer is quantized.
 
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;

@@ -90,8 +90,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     if cal is not None:
         from ..calibrate.estimate import estimate
 
-        cal_est = estimate(p, spec, cal, workers)
-        cal_lines = _calibrate_lines(cal_est, cal, workers)
+        cal_est = estimate(p, spec, cal, workers, executor)
+        cal_lines = _calibrate_lines(cal_est, cal)
     if json_path:  # first: an unwritable path fails before any of the plan is printed
         from ..write import write_atomic
 
@@ -124,19 +124,25 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
         click.echo(f"plan written to {json_path}")
 
 
-def _calibrate_lines(e: dict, cal, workers: int) -> list[str]:
+def _calibrate_lines(e: dict, cal) -> list[str]:
     """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
-    def dur(h: float) -> str:
-        return fmt_duration(h * 3600)
-
-    return [f"calibrate ~{dur(e['hours'])} on {workers} cores ({dur(e['core_hours'])} of one core: forward "
-            f"{dur(e['forward_core_h'])}, Hessians {dur(e['hessian_core_h'])}, GPTQ {dur(e['gptq_core_h'])}; "
-            f"{cal.tokens} tokens; measured here: fp32 {e['fp32_gflops']:.0f} / fp64 {e['fp64_gflops']:.0f} "
-            "GFLOP/s per core; GPTQ per routed-expert matrix "
-            + ", ".join(f"{k} {v:.1f} s" for k, v in e["gptq_s_per_expert_matrix"].items()) + ")",
-            f"         memory ~{fmt_size(e['memory_bytes'])} peak (one layer's non-expert weights + experts in use + "
-            f"activations of {cal.tokens} tokens + Hessians of {cal.expert_batch} experts + one GPTQ); "
-            "shards are cut at layer boundaries"]
+    where = (f"{e['workers']} Ray workers" if e["executor"] == "ray" else
+             f"{e['workers']} local workers" + (f" (capped at this machine's {e['gptq_workers']} cores)"
+                                                if e["gptq_workers"] < e["workers"] else ""))
+    d = e["driver_memory"]
+    return [f"calibrate ~{fmt_duration(e['wall_seconds'])} on {where}: start-up {fmt_duration(e['startup_s'])}, "
+            f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (serial, the driver's "
+            f"{e['driver_threads']} threads), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
+            f"workers, at most {e['max_parallel_jobs']} at once); {cal.tokens} tokens",
+            f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
+            "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
+            + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",
+            f"         memory ~{fmt_size(e['worker_memory_bytes'])} per worker (its largest GPTQ job, "
+            f"[{e['worker_memory_tensor_shape'][0]}, {e['worker_memory_tensor_shape'][1]}]), "
+            f"~{fmt_size(e['driver_memory_bytes'])} driver (state of {cal.tokens} tokens {fmt_size(d['state'])}, forward "
+            f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])})"
+            + (f", ~{fmt_size(e['memory_bytes'])} peak on this machine" if e["executor"] == "local" else "")
+            + "; shards are cut at layer boundaries"]
 
 
 def packed_source_line(p) -> str | None:

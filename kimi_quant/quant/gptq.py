@@ -213,6 +213,40 @@ def _prepared(H: np.ndarray, order: np.ndarray, dead: np.ndarray, shift: float, 
     return R
 
 
+#: columns per panel of the in-place Cholesky (its temporaries: a few K x CHOLESKY_PANEL float32 blocks)
+CHOLESKY_PANEL = 1024
+
+
+def _cholesky_in_place(A, panel: int = CHOLESKY_PANEL) -> int:
+    """A <- L (lower Cholesky factor, zeros above the diagonal) for a symmetric float32 CPU matrix whose
+    lower triangle is read, without a second K x K matrix (torch's ``cholesky_ex(out=A)`` still makes
+    a full copy). Right-looking by panels: factor the diagonal block, solve the panel below it, update
+    the lower trailing blocks with matrix products. Returns 0, or 1 + the first column that failed
+    (not positive definite), as LAPACK's info."""
+    import torch
+
+    K = A.shape[0]
+    rows = max(panel, (1 << 24) // max(1, panel))  # rows per solve / update step: temporaries of ~64 MiB
+    for j in range(0, K, panel):
+        e = min(j + panel, K)
+        L11, info = torch.linalg.cholesky_ex(A[j:e, j:e])
+        if int(info):
+            return j + int(info)
+        A[j:e, j:e] = L11
+        for r in range(e, K, rows):  # panel below: X L11^T = A21
+            r2 = min(r + rows, K)
+            A[r:r2, j:e] = torch.linalg.solve_triangular(L11.T, A[r:r2, j:e], upper=True, left=False)
+        for r in range(e, K, rows):  # lower trailing part: A22 -= A21 A21^T, rows r..r2, columns e..r2
+            r2 = min(r + rows, K)
+            A[r:r2, e:r2].addmm_(A[r:r2, j:e], A[e:r2, j:e].T, alpha=-1)
+    for j in range(0, K, panel):  # zeros above the diagonal, as cholesky_ex leaves them
+        e = min(j + panel, K)
+        blk = A[j:e, j:e]
+        blk.copy_(torch.tril(blk))
+        A[j:e, e:].zero_()
+    return 0
+
+
 def _lower_inverse_in_place(L, leaf: int = 256):
     """L <- L^-1 for a lower-triangular float32 torch matrix (zeros above the diagonal), recursively:
     inv([[A, 0], [C, D]]) = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], the products with the triangular
@@ -284,7 +318,7 @@ def _factor_once(H: np.ndarray, K: int, damp: float, act_order: bool, dev) -> Fa
             torch.diagonal(R).add_(extra)
         A = R if extra == 0.0 or in_place else R + torch.eye(K, dtype=dtype) * extra
         if in_place:
-            L, info = torch.linalg.cholesky_ex(A, out=(A, torch.empty((), dtype=torch.int32)))
+            L, info = A, _cholesky_in_place(A)
         else:
             L, info = torch.linalg.cholesky_ex(A.to(dev))
         if int(info) == 0:

@@ -1,0 +1,117 @@
+"""Bounded memory of the calibrated path and the truth of ``plan --calibrate``: float32 Hessians above
+FLOAT64_MAX_K handed over without a copy, the in-place Cholesky, the worker-memory formula against a
+measured GPTQ job, the wall-time estimate against a measured calibrated convert of the tiny model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kimi_quant.calibrate import CalibConfig
+from kimi_quant.calibrate import estimate as est
+from kimi_quant.calibrate import hessian as hmod
+from kimi_quant.synth import synth
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_float32_hessian_above_the_limit_is_summed_in_place_and_handed_over_without_a_copy(monkeypatch):
+    monkeypatch.setattr(hmod, "FLOAT64_MAX_K", 4)
+    rng = np.random.default_rng(0)
+    xs = [torch.from_numpy(rng.standard_normal((3, 7, 8)).astype(np.float32)) for _ in range(3)]
+    c = hmod.HessianCollector()
+    c.want(["a", "b"])
+    for x in xs:
+        c("a", x)
+        c("b", x)  # shared input: one sum
+    flat = np.concatenate([x.reshape(-1, 8).double().numpy() for x in xs])
+    want = flat.T @ flat / len(flat)
+    h = c.hessian("a")
+    assert h.dtype == np.float32 and c.held_bytes == 8 * 8 * 4 == hmod.hessian_bytes(8)
+    np.testing.assert_allclose(h, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.shares_memory(h, c.hessian("b"))  # the sum itself, divided once
+    np.testing.assert_array_equal(c.hessian("b"), h)
+    with pytest.raises(RuntimeError, match="after its Hessian was handed out"):
+        c("a", torch.zeros(2, 8))
+    c.drop(["a", "b"])
+    assert c.held_bytes == 0
+    small = hmod.HessianCollector()  # at or below the limit: float64, a new array per hand-out (as before)
+    small.want(["s"])
+    small("s", torch.ones(2, 4))
+    assert small.hessian("s").dtype == np.float64 and not np.shares_memory(small.hessian("s"), small.hessian("s"))
+
+
+@pytest.mark.parametrize("K,panel", [(1, 4), (37, 8), (300, 64), (600, 1024)])
+def test_cholesky_in_place_matches_torch_and_reads_only_the_lower_triangle(K, panel):
+    from kimi_quant.quant.gptq import _cholesky_in_place
+
+    g = torch.Generator().manual_seed(K)
+    X = torch.randn(K, K + 5, generator=g)
+    A = X @ X.T / K + 0.1 * torch.eye(K)
+    ref = torch.linalg.cholesky(A)
+    B = A.clone()
+    iu = torch.triu_indices(K, K, 1)
+    B[iu[0], iu[1]] = 7.0
+    assert _cholesky_in_place(B, panel) == 0
+    assert float((B - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert bool((B[iu[0], iu[1]] == 0).all())
+    bad = torch.eye(K)
+    bad[K // 2, K // 2] = -1.0
+    assert _cholesky_in_place(bad, panel) == int(torch.linalg.cholesky_ex(torch.diag(torch.diagonal(bad))).info)
+
+
+def test_hessian_key_separates_stages():
+    """An attention input and an MLP input of one layer with the same width are two Hessians."""
+    from kimi_quant.calibrate.layered import ATTENTION, MLP
+
+    a = est._hessian_key("l.0.attn.q", 0, ATTENTION, -1, 64, True)
+    m = est._hessian_key("l.0.mlp.gate", 0, MLP, -1, 64, True)
+    assert a != m
+    assert est._hessian_key("l.0.mlp.up", 0, MLP, -1, 64, True) == m  # gate/up share one
+    assert est._hessian_key("l.0.mlp.down", 0, MLP, -1, 64, False) != m
+
+
+def test_worker_memory_formula_covers_a_measured_gptq_job():
+    """scripts/measure_gptq_memory.py's child: the peak resident set of one GPTQ job (float64 and float32
+    Hessians) stays under ``worker_bytes``, and not by more than 2x."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from measure_gptq_memory import measure
+    finally:
+        sys.path.pop(0)
+    for N, K in ((256, 1024), (128, 9216)):
+        peak = measure(N, K, "W8A8_DYNAMIC", "down")["peak"]
+        assert peak <= est.worker_bytes(N, K) <= 2 * peak, (N, K, peak, est.worker_bytes(N, K))
+
+
+@pytest.mark.skipif(os.getloadavg()[0] > 2 * (os.cpu_count() or 1),
+                    reason="the machine is loaded: wall time says nothing about the estimate")
+def test_plan_time_is_within_2x_of_a_measured_calibrated_convert(tmp_path):
+    from kimi_quant.convert import build_plan
+    from kimi_quant.model.spec import load_model_spec_from_source
+    from kimi_quant.source import open_source
+
+    src_dir = synth("tiny", tmp_path / "tiny")
+    tokens = 2048
+    src = open_source(str(src_dir))
+    try:
+        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
+        spec = load_model_spec_from_source(src, recipe_given=True)
+    finally:
+        src.close()
+    e = est.estimate(plan, spec, CalibConfig(tokens=tokens), workers=1)
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "convert", str(src_dir), "-t", "a3", "-o",
+                        str(tmp_path / "out"), "--calibrate", "--tokens", str(tokens), "--workers", "1", "-q"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    measured = time.perf_counter() - t
+    assert r.returncode == 0, r.stderr
+    print(f"tiny a3 --calibrate {tokens} tokens: estimated {e['wall_seconds']:.1f} s, measured {measured:.1f} s")
+    assert measured / 2 <= e["wall_seconds"] <= measured * 2
