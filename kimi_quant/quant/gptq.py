@@ -26,8 +26,8 @@ with a stable sort; choices between candidates are float64 argmins, see ``_Judge
 
 Cost, for a routed expert's [3072, 3584]: the factor (a float64 Cholesky and a float32 triangular
 inverse by matrix products), GPTQ's lazy-batch products (~N K^2 multiply-adds) and a few float32
-[N, K] x [K, K] products to judge candidates; the clip ratios (and power-of-two scales) are screened on an O(N K m) estimate
-first (``_clip_before``), and a GPTQ result's error comes out of GPTQ itself.  scripts/bench_gptq.py
+[N, K] x [K, K] products to judge candidates; the clip ratios (and power-of-two scales) are screened on
+an O(N K m) estimate first (``_clip_before``), and a GPTQ result's error comes out of GPTQ itself.  scripts/bench_gptq.py
 measures it against one same-thread matmul.  Memory beyond the Hessian given: one K x K working matrix
 (float32 above FLOAT64_MAX_K, in place) and a few [N, K] arrays (``working_set_bytes``).
 """
