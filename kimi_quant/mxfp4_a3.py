@@ -41,7 +41,7 @@ INT8_POW2 = A3Rule("default: W8A8_DYNAMIC, power-of-two row scales", "W8A8_DYNAM
                    "int8 on a power-of-two row scale holds the MXFP4 values exactly where a row's block exponents "
                    "span <= 5 (99.95% of rows); twice the bytes of int4 (ratios: int8 with absmax scales)")
 INT4_CALIBRATED = A3Rule("--calibrate: W4A8_DYNAMIC per channel by GPTQ, power-of-two scale candidates",
-                         "W4A8_DYNAMIC", 1.17, 1.33, True,
+                         "W4A8_DYNAMIC", 1.18, 1.31, True,
                          "GPTQ's error feedback in the int4 grid, each row's scale judged on the input-weighted "
                          "error among clip ratios and the powers of two that hold whole 32-blocks")
 INT4_GROUP32 = A3Rule("--group-size 32: W4A8_DYNAMIC per group of 32, data-free", "W4A8_DYNAMIC", 1.51, 1.84, False,
