@@ -19,6 +19,7 @@ from . import __version__
 from .dtypes import nbytes
 from .errors import BadCheckpoint, RecipeError
 from .model.spec import ModelSpec
+from .mxfp4_a3 import INT4_CALIBRATED, INT4_GROUP32, INT4_PER_CHANNEL, INT8_POW2, experts_line
 from .quant import REGISTRY, get_codec
 from .recipe.recipe import FLOAT, Recipe
 from .source.base import Source
@@ -216,6 +217,17 @@ class Plan:
         return {"format": f"compressed-tensors {MXFP4_FORMAT}", "tensors": len(packed),
                 "copied": len(packed) - sum(decoded.values()), "decoded": dict(sorted(decoded.items()))}
 
+    def mxfp4_experts_line(self, calibrated: bool) -> str | None:
+        """On a3 from a packed MXFP4 source: which measured rule its decoded tensors (the routed experts)
+        follow and its cost (``mxfp4_a3.experts_line``); None otherwise."""
+        if self.target != "a3":
+            return None
+        ways = Counter((t.scheme, t.group_size, t.pow2_scale) for t in self.tensors() if t.packed and not t.repack)
+        if not ways:
+            return None
+        scheme, group, pow2 = ways.most_common(1)[0][0]
+        return experts_line(scheme, group, pow2, calibrated)
+
     def source_order(self) -> list[str]:
         """Source shards in the order the units first need them."""
         seen: dict[str, None] = {}
@@ -273,13 +285,12 @@ def output_tensors(name: str, dtype: str, shape: list[int], scheme: str, matmul:
             for suffix, (dt, shp) in get_codec(scheme, group_size).out_specs(tuple(shape), matmul).items()]
 
 
-#: Per-channel data-free int4 of MXFP4 weights: one int4 scale per row cannot hold E2M1's uneven levels under
-#: the 32-blocks' exponents (scripts/bench_quality.py --mxfp4-source: 5.3-5.8x perplexity on SmolLM2-135M put on
-#: the MXFP4 grid; --group-size 32 1.5-1.8x; --calibrate 1.25-1.5x; int8 experts 1.01-1.02x).
-MXFP4_PER_CHANNEL_INT4 = ("the source's experts are MXFP4; per-channel data-free int4 cannot hold their values "
-                          "(5.3-5.8x perplexity on a real model put on the MXFP4 grid)")
-MXFP4_INT4_OPTIONS = ("the default for such experts (W8A8_DYNAMIC, power-of-two scales: ~exact), --calibrate "
-                      "(int4 by GPTQ: 1.25-1.5x), or --group-size 32 (1.5-1.8x; vLLM-Ascend 0.23.x only)")
+#: Per-channel data-free int4 of MXFP4 weights (the measured rules: mxfp4_a3.RULES)
+MXFP4_PER_CHANNEL_INT4 = (f"the source's experts are MXFP4; per-channel data-free int4 cannot hold their values "
+                          f"({INT4_PER_CHANNEL.heldout:.1f}x perplexity on a real model put on the MXFP4 grid)")
+MXFP4_INT4_OPTIONS = (f"the default for such experts (W8A8_DYNAMIC, power-of-two scales: ~exact, "
+                      f"{INT8_POW2.heldout:.2f}x), --calibrate (int4 by GPTQ: {INT4_CALIBRATED.heldout:.2f}x), "
+                      f"or --group-size 32 ({INT4_GROUP32.heldout:.2f}x; vLLM-Ascend 0.23.x only)")
 #: a3's scheme for routed experts published as MXFP4, unless a rule or an option asks for another: int8 with
 #: power-of-two row scales holds a row's MXFP4 values exactly when its block exponents span <= 5 (99.95% of
 #: rows on the stand-in), at twice the int4 bytes (K3: ~2.7 TB of experts; 4 x Atlas 800 A3 hold it)

@@ -50,6 +50,7 @@ up) and 1536 (down), so G = 32 or 64 divides every tensor, G = 128 or 256 only d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import math
 import os
@@ -118,6 +119,7 @@ class Scheme:
     group: int = 0  # W4A8_DYNAMIC per group of this many inputs (convert --group-size); baselines likewise
     group_where_divides: bool = False  # per channel on tensors whose K the group does not divide
     pow2_scale: bool = False  # W8A8_DYNAMIC with power-of-two row scales (codec.with_pow2_scale())
+    pow2_candidates: bool = False  # calibrated int4 per channel: GPTQConfig.pow2_scales (power-of-two scale candidates)
 
 
 SCHEMES = [
@@ -147,6 +149,8 @@ SCHEMES = [
     Scheme("W8A8_MXFP8", "W8A8_MXFP8", "mxfp8", codec="W8A8_MXFP8"),
     Scheme("W8A8_DYNAMIC+gptq", "W8A8_DYNAMIC, calibrated (GPTQ)", "int8", codec="W8A8_DYNAMIC", calibrated=True),
     Scheme("W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC", calibrated=True),
+    Scheme("W4A8_DYNAMIC+gptq/pow2", "W4A8_DYNAMIC, calibrated (GPTQ), power-of-two scale candidates", "int8",
+           codec="W4A8_DYNAMIC", calibrated=True, pow2_candidates=True),
     Scheme("W4A8_DYNAMIC/g64+gptq", "W4A8_DYNAMIC --group-size 64, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC",
            calibrated=True, group=64),
     Scheme("W4A8_MXFP+gptq", "W4A8_MXFP, calibrated (GPTQ)", "mxfp8", codec="W4A8_MXFP", calibrated=True),
@@ -156,7 +160,7 @@ BY_NAME = {s.name: s for s in SCHEMES}
 #: the default rows of --mxfp4-source: every a3 rule from an MXFP4 model's exact values, and the 950dt repack
 MXFP4_SCHEMES = ("W4A8_MXFP", "W4A8_DYNAMIC", "int4_absmax", "int4_mse0.8", "int4_refit", "W4A8_DYNAMIC/g32",
                  "W4A8_DYNAMIC/g64", "W4A8_DYNAMIC/g128*", "W8A8_DYNAMIC", "W8A8_DYNAMIC/pow2",
-                 "W4A8_DYNAMIC+gptq")
+                 "W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC+gptq/pow2")
 
 
 def _int4_absmax(w: np.ndarray) -> np.ndarray:
@@ -220,6 +224,8 @@ def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq:
     if scheme.pow2_scale:
         codec = codec.with_pow2_scale()
     if scheme.calibrated and hessian is not None:
+        if scheme.pow2_candidates:
+            gptq = dataclasses.replace(gptq or GPTQConfig(), pow2_scales=True)
         out = gptq_quantize_bf16(codec, w_u16, role, hessian, gptq)
     else:
         out = codec.quantize_bf16(w_u16, role)

@@ -108,7 +108,7 @@ def test_the_checker_sees_a_cycle():
 #: (calibrated, then the data-free driver that dispatches to it); checking, validating, publishing; tools; the CLI.
 LAYERS = [
     {"kimi_quant", "errors", "dtypes", "untrusted", "cache", "lock", "progress", "hashing", "targets", "options",
-     "output_files"},
+     "output_files", "mxfp4_a3"},
     {"hub_http"}, {"quant"}, {"source"}, {"model"}, {"recipe"}, {"plan"}, {"write"}, {"journal"}, {"layout"},
     {"executor"}, {"estimate"}, {"runtime"}, {"output_run"}, {"calibrate"}, {"convert"},
     {"verify"}, {"validate"}, {"publish"}, {"synth"}, {"cli"},

@@ -274,3 +274,56 @@ def test_model_quant_type_meaning_says_a3_experts_are_int4(tiny):
     p = _plan(tiny, "950dt")
     assert model_quant_type_meaning(p.description()["model_quant_type"], set(p.scheme_counts())).startswith(
         "model_quant_type W4A8_MXFP: the highest type present")
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """The tiny model with its routed experts packed as Kimi K3 is published (MXFP4)."""
+    d = tmp_path_factory.mktemp("released")
+    synth("tiny", d, experts="mxfp4")
+    return d
+
+
+def test_a3_from_mxfp4_experts_names_the_measured_rule(released):
+    """plan (and convert, and the card) say which measured a3 rule the MXFP4 experts follow and its cost;
+    a BF16 source and 950dt (a repack) say nothing of it."""
+    from kimi_quant import mxfp4_a3
+
+    src = LocalSource(released)
+    spec = spec_from_config(src.read_json("config.json"))
+    a3 = resolve_target("a3")
+
+    def line(**kw):
+        return make_plan(src, spec, load_recipe("a3"), a3, **kw).mxfp4_experts_line(kw.get("calibrated", False))
+
+    assert line() == mxfp4_a3.experts_line("W8A8_DYNAMIC", 0, True, False)
+    assert mxfp4_a3.INT8_POW2.name in line() and f"{mxfp4_a3.INT8_POW2.heldout:.2f}x heldout" in line()
+    assert mxfp4_a3.INT4_CALIBRATED.name in line(calibrated=True)
+    assert f"{mxfp4_a3.INT4_CALIBRATED.pydoc:.2f}x pydoc" in line(calibrated=True)
+    assert mxfp4_a3.INT4_GROUP32.name in line(group_size=32)
+    assert _plan(src, "950dt").mxfp4_experts_line(False) is None
+    assert _plan(LocalSource(synth("tiny", released.parent / "bf16")), "a3").mxfp4_experts_line(False) is None
+    # an override to a rule not measured on such a source says so instead of quoting a number
+    odd = make_plan(src, spec, load_recipe("a3", overrides=["*.block_sparse_moe.experts.*=W8A8_DYNAMIC"]), a3)
+    assert "not one of the rules measured" in odd.mxfp4_experts_line(False)
+
+
+def test_plan_prints_the_mxfp4_experts_rule(released):
+    from conftest import kq
+    from kimi_quant import mxfp4_a3
+
+    r = kq("plan", released, "-t", "a3", "--no-shards")
+    assert r.returncode == 0, r.stderr
+    assert mxfp4_a3.experts_line("W8A8_DYNAMIC", 0, True, False) in r.stdout
+
+
+def test_every_measured_rule_has_its_numbers_and_reason():
+    from kimi_quant import mxfp4_a3
+
+    for rule in mxfp4_a3.RULES:
+        assert rule.heldout > 0.95 and rule.pydoc > 0.95 and rule.why and rule.scheme in ("W8A8_DYNAMIC", "W4A8_DYNAMIC")
+    assert mxfp4_a3.rule_for("W4A8_DYNAMIC", 0, False, False) is mxfp4_a3.INT4_PER_CHANNEL
+    assert mxfp4_a3.rule_for("W4A8_DYNAMIC", 0, False, True) is mxfp4_a3.INT4_CALIBRATED
+    assert mxfp4_a3.rule_for("W4A8_DYNAMIC", 32, False, False) is mxfp4_a3.INT4_GROUP32
+    assert mxfp4_a3.rule_for("W8A8_DYNAMIC", 0, True, True) is mxfp4_a3.INT8_POW2
+    assert mxfp4_a3.rule_for("W8A8_DYNAMIC", 0, False, False) is None

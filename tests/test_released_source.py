@@ -189,7 +189,13 @@ def test_a3_from_the_release_equals_a3_from_its_exact_decoding(released, decoded
 def test_a3_default_holds_the_mxfp4_experts_exactly_in_int8(released, tmp_path):
     """a3 from MXFP4 experts: by default W8A8_DYNAMIC with power-of-two row scales, which holds every row of
     the tiny model's experts exactly (a row whose block exponents span more than int8 can hold would not be)."""
-    _convert(released, tmp_path / "out", "-t", "a3")
+    r = _convert(released, tmp_path / "out", "-t", "a3")
+    from kimi_quant.mxfp4_a3 import experts_line
+
+    line = experts_line("W8A8_DYNAMIC", 0, True, False)  # the measured rule and its cost: convert and the card
+    assert line in r.stdout
+    assert f"| a3 from MXFP4 | {line.removeprefix('a3 from MXFP4 experts: ')} |" in \
+        (tmp_path / "out" / "README.md").read_text()
     src, out = _tensors(released, "model"), _tensors(tmp_path / "out", "quant_model_weights")
     description = json.loads((tmp_path / "out" / "quant_model_description.json").read_text())
     for name in [n for n in src if n.endswith(".weight_packed")]:

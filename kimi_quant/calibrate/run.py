@@ -23,6 +23,7 @@ byte-identical: every step is deterministic on the same machine and thread count
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -42,6 +43,7 @@ from ..model.spec import load_model_spec_from_source
 from ..output_run import ConvertResult, check_window, finish_output, resume_output
 from ..plan import Plan, TensorPlan, UnitPlan
 from ..quant.gptq import gptq_quantize
+from ..quant.numerics import on_mxfp4_grid
 from ..recipe.recipe import FLOAT
 from ..source.safetensors import SafetensorsReader
 from ..runtime import forward as fw
@@ -153,7 +155,12 @@ class _Quantizer:
         gptq = self.gptq
 
         def quantize(codec, w, matmul):
-            return gptq_quantize(codec, w, matmul, hessian, gptq)
+            cfg = gptq
+            if gptq is not None and (t.packed or on_mxfp4_grid(w)):
+                # decoded from MXFP4 (a packed source or its BF16 decoding: the same bytes either way): each
+                # 32-block is E2M1 levels times a power of two, which a power-of-two row scale holds
+                cfg = dataclasses.replace(gptq, pow2_scales=True)
+            return gptq_quantize(codec, w, matmul, hessian, cfg)
 
         return quantize
 

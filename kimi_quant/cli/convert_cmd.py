@@ -16,7 +16,7 @@ from ..progress import fmt_size
 from .app import main
 from .params import (SIZE_UNITS, Size, calib_config, calibration_options, count_noun, fmt_rate, plan_shape_options,
                      check_staging_options)
-from .plan_cmd import packed_source_line
+from .plan_cmd import packed_source_lines
 
 
 @contextlib.contextmanager
@@ -137,8 +137,8 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
                        "verified and kept")
         click.echo(f"input {fmt_size(p.in_bytes)} -> output {fmt_size(p.out_bytes)} in {count_noun(len(p.units), 'shard')}; "
                    f"tensors: {counts}")
-        if p.packed_summary:
-            click.echo(packed_source_line(p).removeprefix("source   "))
+        for line in packed_source_lines(p, res.calibration is not None):
+            click.echo(line.removeprefix("source   ").strip())
         if res.calibration is not None:
             from ..layout.model_card import describe_calibration
 

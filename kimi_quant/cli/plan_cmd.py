@@ -107,7 +107,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
             raise KimiQuantError(f"{json_path}: cannot write the plan ({e.strerror or e})") from None
     if quiet:
         return
-    for line in [*plan_lines(p, job, work_dir=src.work_dir), *cal_lines]:
+    for line in [*plan_lines(p, job, work_dir=src.work_dir, calibrated=cal is not None), *cal_lines]:
         click.echo(line)
     if verbose or show_shards:
         click.echo(f"\n{'scheme':14s} {'tensors':>8s} {'in':>12s} {'out':>12s}")
@@ -145,15 +145,19 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             + "; shards are cut at layer boundaries"]
 
 
-def packed_source_line(p) -> str | None:
-    """What becomes of a source's packed MXFP4 tensors (None for a BF16 source)."""
+def packed_source_lines(p, calibrated: bool) -> list[str]:
+    """What becomes of a source's packed MXFP4 tensors, and on a3 the measured rule its experts follow
+    (nothing for a BF16 source)."""
     from ..plan import packed_words
 
     summary = p.packed_summary
-    return f"source   {packed_words(summary)}" if summary else None
+    if not summary:
+        return []
+    rule = p.mxfp4_experts_line(calibrated)
+    return [f"source   {packed_words(summary)}", *([f"         {rule}"] if rule else [])]
 
 
-def plan_lines(p, job: dict, work_dir=None) -> list[str]:
+def plan_lines(p, job: dict, work_dir=None, calibrated: bool = False) -> list[str]:
     """The sizing lines ``plan`` prints first: what is converted, output, disk, memory, time, model_quant_type."""
     from ..plan import PER_GROUP_LOADERS, model_quant_type_meaning
 
@@ -163,8 +167,7 @@ def plan_lines(p, job: dict, work_dir=None) -> list[str]:
              + f"): {count_noun(job['units'], 'output shard')} (max {fmt_size(p.max_shard_size)})",
              f"output   {fmt_size(job['out_bytes'])} ({job['out_bytes'] / max(job['in_bytes'], 1):.1%} of "
              f"{fmt_size(job['in_bytes'])} {'MXFP4 + BF16' if p.packed_summary else 'BF16'} input)"]
-    if p.packed_summary:
-        lines.append(packed_source_line(p))
+    lines += packed_source_lines(p, calibrated)
     if job["disk_staging_bytes"] is None:
         lines.append(f"disk     {fmt_size(job['disk_needed_bytes'])}: the output (a local source is read in place)")
     else:

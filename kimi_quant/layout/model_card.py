@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..mxfp4_a3 import experts_line
 from ..plan import CHECKED_LOADERS, PER_GROUP_LOADERS, SGLANG_MOE_TP, model_quant_type_meaning, packed_words
 from ..progress import fmt_bytes, fmt_size
 from ..output_files import CARD, DESCRIPTION, INDEX, LOCAL_SOURCE, PROVENANCE, VALIDATION  # noqa: F401 (CARD: its name)
@@ -183,6 +184,9 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
               + " |"]
     if isinstance(prov.get("source_packing"), dict):
         lines.append(f"| Source experts | {packed_words(prov['source_packing'])} |")
+        rule = _mxfp4_experts_line(target, prov, desc, types)
+        if rule:
+            lines.append(f"| a3 from MXFP4 | {rule.removeprefix('a3 from MXFP4 experts: ')} |")
     if types:
         lines.append("| Tensors per scheme | " + ", ".join(f"{t}: {n}" for t, n in sorted(types.items())) + " |")
     if "W4A8_DYNAMIC" in types:
@@ -235,6 +239,17 @@ def model_card(output_dir: Path, repo_id: str | None = None, verify_summary: dic
     if link:
         lines += ["", "The source model's own card: " + ", ".join(link) + "; its licence terms apply to these weights."]
     return "\n".join(lines) + "\n"
+
+
+def _mxfp4_experts_line(target: str, prov: dict, desc: dict, types: dict) -> str | None:
+    """On a3 from packed MXFP4 experts: the measured rule they follow (``mxfp4_a3.experts_line``)."""
+    decoded = prov["source_packing"].get("decoded")
+    if target != "a3" or not isinstance(decoded, dict) or not decoded:
+        return None
+    way = max(decoded, key=lambda k: (decoded[k], k))  # "SCHEME" or "SCHEME (power-of-two row scales: ...)"
+    scheme = way.split(" ", 1)[0]
+    group = desc.get("group_size") if scheme == "W4A8_DYNAMIC" and _per_group(desc, types) else 0
+    return experts_line(scheme, group, way != scheme, bool(prov.get("calibration")))
 
 
 def _per_group(desc: dict, types: dict) -> bool:

@@ -26,10 +26,10 @@ with a stable sort; choices between candidates are float64 argmins, see ``_Judge
 
 Cost, for a routed expert's [3072, 3584]: the factor (a float64 Cholesky and a float32 triangular
 inverse by matrix products), GPTQ's lazy-batch products (~N K^2 multiply-adds) and a few float32
-[N, K] x [K, K] products to judge candidates; the clip ratios are screened on an O(N K m) estimate
-first (``_clip_before``), a GPTQ result's error comes out of GPTQ itself, and the guard's data-free
-codes are judged only on the rows where an O(N K m) lower bound of their error does not already lose
-(``_Judge.fast_unless_beaten``).  scripts/bench_gptq.py
+[N, K] x [K, K] products to judge candidates; the clip ratios (and power-of-two scales) are screened on
+an O(N K m) estimate first (``_clip_before``), a GPTQ result's error comes out of GPTQ itself, and the
+guard's data-free codes are judged only on the rows where an O(N K m) lower bound of their error does not
+already lose (``_Judge.fast_unless_beaten``).  scripts/bench_gptq.py
 measures it against one same-thread matmul.  Memory beyond the Hessian given: one K x K working matrix
 (float32 above FLOAT64_MAX_K, in place) and a few [N, K] arrays (``working_set_bytes``).
 """
@@ -72,6 +72,10 @@ class GPTQConfig:
                 of all of them (``_clip_before``); with no more ratios than this, every one is judged.
     clip_after: judge the ratios after GPTQ (every ratio runs GPTQ: len(clip_ratios) x the cost)
                 instead of on plain rounding before it (one GPTQ run, the default).
+    pow2_scales: int4 per-channel grids only: also offer, per row, the two powers of two bracketing the
+                codec's scale (the largest <= it, the smallest > it) as candidate scales, judged with the clip
+                ratios.  Weights decoded from MXFP4 are E2M1 levels times each 32-block's power of two; a
+                power-of-two row scale holds whole blocks of them exactly, where r x (absmax / 7) holds none.
     mx_exponents: MX grids only: "sse" (the data-free rule's per-block exponent: OCP or one above, by
                 block squared error), "hessian" (the same two candidates judged per block on the block's
                 diagonal 32 x 32 part of H: d_b H_bb d_b^T of plain rounding), or "both" (each grid runs
@@ -87,6 +91,7 @@ class GPTQConfig:
     clip_after: bool = False
     mx_exponents: str = "sse"
     clip_finalists: int = 2
+    pow2_scales: bool = False
 
     def __post_init__(self):
         if not (0.0 <= self.damp < 10.0) or self.damp != self.damp:
@@ -97,6 +102,8 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.clip_ratios must lie in (0, 1], got {self.clip_ratios}")
         if int(self.clip_finalists) != self.clip_finalists or self.clip_finalists < 1:
             raise ValueError(f"GPTQConfig.clip_finalists must be a positive integer, got {self.clip_finalists}")
+        if not isinstance(self.pow2_scales, bool):
+            raise ValueError(f"GPTQConfig.pow2_scales must be True or False, got {self.pow2_scales!r}")
         if self.mx_exponents not in ("sse", "hessian", "both"):
             raise ValueError(f"GPTQConfig.mx_exponents must be sse, hessian or both, got {self.mx_exponents!r}")
         if self.device not in DEVICES:
@@ -729,15 +736,15 @@ def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: _Judge, 
         grids = (on_h + [g for g in grids if all(g is not m for m in mx)]) if cfg.mx_exponents == "hessian" else grids + on_h
     ratios = tuple(float(r) for r in cfg.clip_ratios if float(r) != 1.0)
     known = []  # (grid, codes, float32 error) of plain roundings judged by the clip search
-    if ratios:  # int grids: the codec's scale and the clipped ones, judged on H (per row)
+    if ratios or cfg.pow2_scales:  # int grids: the codec's scale and the other candidates, judged on H (per row)
         out = []
         for g in grids:
             if not _clippable(g):
                 out.append(g)
             elif cfg.clip_after:
-                out += [g, *(_scaled(g, r) for r in ratios)]
+                out += [g, *_scale_candidates(g, ratios, cfg.pow2_scales)]
             else:
-                out.append(_clip_before(w, g, ratios, judge, known, cfg.clip_finalists))
+                out.append(_clip_before(w, g, ratios, judge, known, cfg.clip_finalists, cfg.pow2_scales))
         grids = out
     cands = []  # (grid, codes, float32 error)
     for grid in grids:
@@ -816,9 +823,23 @@ def _scaled(g: Grid, r: float) -> Grid:
 SCREEN_RANK = 32
 
 
-def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, finalists: int) -> Grid:
-    """Per row, the scale among ``g``'s and r x it (r in ``ratios``) whose plain rounding has the
-    smallest input-weighted error on H (ties keep the earlier, the unclipped first).
+def _pow2_bracket(g: Grid) -> list:
+    """Two grids: per row, the largest power of two <= ``g``'s scale and the smallest one above it."""
+    _, e = np.frexp(np.asarray(g.scale, np.float32))  # scale = m 2^e, m in [0.5, 1)
+    return [Grid(np.ldexp(np.float32(1.0), e + d).astype(np.float32), g.group, g.kind, g.qmin, g.qmax, g.scale_bytes)
+            for d in (-1, 0)]
+
+
+def _scale_candidates(g: Grid, ratios, pow2: bool) -> list:
+    """The candidate grids beside ``g``: r x its scale per ratio, then (``pow2``) the power-of-two bracket."""
+    return [_scaled(g, r) for r in ratios] + (_pow2_bracket(g) if pow2 else [])
+
+
+def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, finalists: int,
+                 pow2: bool = False) -> Grid:
+    """Per row, the scale among ``g``'s, r x it (r in ``ratios``) and (``pow2``) the two powers of two
+    bracketing it whose plain rounding has the smallest input-weighted error on H (ties keep the
+    earlier, the unclipped first).
 
     With more clipped ratios than ``finalists``, every ratio is first scored on a cheap estimate
     (``_Judge.screen``); per row the best-scored clipped ratio is judged beside the unclipped scale
@@ -828,7 +849,7 @@ def _clip_before(w: np.ndarray, g: Grid, ratios, judge: _Judge, known: list, fin
     four times its relative error, plus 2%): about one float32 [N, K] x [K, K] product per finalist kept instead of
     one per ratio.  Appends (g, its plain codes, their error) to ``known`` (the guard's data-free
     codes, often the same)."""
-    clipped = [_scaled(g, r) for r in ratios]
+    clipped = _scale_candidates(g, ratios, pow2)
 
     def plain(grid, rows=slice(None)):  # per channel (_clippable): scale [N, 1]
         c = w[rows] / grid.scale[rows]

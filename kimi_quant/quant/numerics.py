@@ -444,3 +444,26 @@ def mxfp4_ocp_quantize(w):
 
 def mxfp8_ocp_quantize(w):
     return mx_ocp_quantize(w, "e4m3")
+
+
+
+def on_mxfp4_grid(w: np.ndarray, first_rows: int = 8) -> bool:
+    """Whether every 32-block along K of float32 ``w`` [N, K] is E2M1 values times one power of two (a
+    weight decoded from MXFP4).  Such a block is one on the finest exponent that holds its largest value,
+    the OCP rule's 2^(floor(log2 amax) - 2) (E2M1 values doubled stay E2M1 values up to 6), so one
+    exponent per block is checked.  The first ``first_rows`` rows go first, so that a float weight costs
+    almost nothing."""
+    N, K = w.shape
+    if K % BLOCK or N == 0:
+        return False
+    for rows in (slice(0, first_rows), slice(first_rows, N)):
+        b = np.abs(w[rows]).reshape(-1, K // BLOCK, BLOCK)
+        if b.size == 0:
+            continue
+        amax = b.max(axis=2)
+        E = floor_log2(np.where(amax > 0, amax, np.float32(1.0)).astype(np.float32))
+        with np.errstate(over="ignore"):
+            y2 = b * pow2_f32(3 - E)[..., None]  # 2 |w| / 2^(E - 2), exact (or inf: then not on the grid)
+        if not ((y2 == np.rint(y2)) & ((y2 <= 4) | (y2 == 6) | (y2 == 8) | (y2 == 12))).all():
+            return False
+    return True
