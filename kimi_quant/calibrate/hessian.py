@@ -28,6 +28,7 @@ class HessianCollector:
         self._n: dict[int, int] = {}
         self._recent: list[tuple[torch.Tensor, int]] = []
         self._next = 0
+        self._last: tuple[int, np.ndarray] | None = None  # the H last given out: Linears sharing it get one array
 
     def want(self, names: Iterable[str]) -> None:
         self._want.update(names)
@@ -60,7 +61,9 @@ class HessianCollector:
         key = self._key.get(name)
         if key is None or self._n[key] == 0:
             return None
-        return (self._sum[key] / self._n[key]).numpy()
+        if self._last is None or self._last[0] != key:
+            self._last = (key, (self._sum[key] / self._n[key]).numpy())
+        return self._last[1]
 
     def drop(self, names: Iterable[str]) -> None:
         """Forget ``names`` (their H is used); an accumulator goes when no name refers to it."""
@@ -71,6 +74,8 @@ class HessianCollector:
         for k in [k for k in self._sum if k not in live]:
             del self._sum[k], self._n[k]
         self._recent = [(r, k) for r, k in self._recent if k in live]
+        if self._last is not None and self._last[0] not in live:
+            self._last = None
 
     @property
     def held_bytes(self) -> int:
