@@ -538,8 +538,9 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
 
     With --calibrate, each quantized Linear is quantized with GPTQ against the Hessian of its inputs,
     collected by running the BF16 model layer by layer over calibration text (routed experts from the
-    tokens routed to them); the output format is the same. It runs layer by layer in this process
-    (resumable per layer) and needs the source's tokenizer.
+    tokens routed to them); the output format is the same. It runs layer by layer (resumable per
+    layer), each layer's GPTQ problems on --workers local processes or, with --executor ray, as Ray
+    tasks (same bytes either way), and needs the source's tokenizer.
     """
     # No collections while the converter loads (numpy, the converter's modules, the fork server's start):
     # what that makes lives to the end anyway, and collecting it as it comes only delays the start-up.

@@ -11,16 +11,24 @@ Memory, at any moment (``estimate.memory_bytes`` evaluates it; ``plan --calibrat
                                                           Linears + one batch of experts: batch x (R^2 + I^2)
                                                           (x 8 B, float64)
   + one GPTQ working set                                  ~3 N K x 4 B + 3 K^2 x 8 B for the largest matrix
+  + the jobs handed to the GPTQ workers                   2 per worker: weight (N K x 4 B) + Hessian (K^2 x 8 B),
+                                                          and in each worker process one job and its working set
 
 K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, batches of 32 experts): ~65 GB, of which ~27 GB is
 the GPTQ of the layer-0 dense down projection (K = 33792). Full Hessians of the whole model could never
 be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB): Hessians live only while
 that layer is quantized.
 
+GPTQ runs on a runner (``jobs``: this process, local worker processes; ``ray_jobs``: Ray tasks): all the
+Linears of a stage (attention side; the MLP's non-routed Linears with the first batch of experts; each further
+batch of experts) are handed out at once and written back in plan order as their results arrive. The forward
+runs here, on one thread.
+
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;
 a re-run starts at the next layer and redoes a half-written one completely (its shards come out
-byte-identical: every step is deterministic on the same machine and thread count).
+byte-identical: every step is deterministic on the same machine; GPTQ runs on one thread wherever it runs,
+so the bytes do not depend on the runner or its number of workers).
 """
 
 from __future__ import annotations
@@ -260,8 +268,8 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     cfg: CalibConfig = opts.calibrate
     spec = load_model_spec_from_source(source, recipe_given=True)
     tcfg = spec.text
-    if opts.workers and opts.executor == "local":
-        torch.set_num_threads(opts.workers)
+    # One thread: the GPTQ workers have the cores, and torch's idle intra-op threads would spin on them
+    torch.set_num_threads(1)
     r = resume_output(source, plan, out_dir, journal, opts, all_inputs=True)
     check_window(source.max_disk, r.todo, r.entries)  # the same --max-disk bound as a data-free run
     info = dict(plan.extra["calibration"])
