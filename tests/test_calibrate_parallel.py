@@ -49,7 +49,7 @@ def serial(source, tmp_path_factory) -> Path:
 
 def test_two_local_workers_write_the_same_bytes(serial, source, tmp_path, monkeypatch):
     made = []
-    real = calib_jobs.make_runner
+    real = calib_run.make_runner
 
     def make_runner(*a, **k):
         made.append(real(*a, **k))

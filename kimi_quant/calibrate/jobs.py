@@ -188,15 +188,3 @@ class ProcessRunner(SerialRunner):
                 p.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
 
-
-def make_runner(executor: str, workers: int | None, options: dict | None = None):
-    """The runner of ``convert --calibrate --executor E --workers N`` (local: one process per core by default;
-    one worker runs in this process)."""
-    if executor == "ray":
-        from .ray_jobs import RayRunner  # optional extra: pip install kimi-quant[ray]
-
-        return RayRunner(workers, **(options or {}))
-    from ..executor.fork_server import default_workers
-
-    n = int(workers or default_workers())
-    return SerialRunner() if n <= 1 else ProcessRunner(n)

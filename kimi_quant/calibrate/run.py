@@ -58,7 +58,7 @@ from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
 from ..write import write_atomic
 from .config import MIN_TOKENS, CalibConfig
 from .hessian import HessianCollector
-from .jobs import GPTQJob, make_runner
+from .jobs import GPTQJob, ProcessRunner, SerialRunner
 from .layer_io import Overlay, Readback, SourceWeights, UnitWriter, dequantized
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
@@ -125,6 +125,23 @@ def gptq_config(cfg: CalibConfig) -> GPTQConfig:
     """The codecs' GPTQConfig with the user's settings (the GPTQ defaults where they gave none)."""
     given = {"damp": cfg.damp, "act_order": cfg.act_order, "device": cfg.device}
     return GPTQConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def make_runner(executor: str, workers: int | None, options: dict | None = None):
+    """The runner of ``convert --calibrate --executor E --workers N`` (local: one process per core by default;
+    one worker runs in this process)."""
+    if executor == "ray":
+        from .ray_jobs import RayRunner  # optional extra: pip install kimi-quant[ray]
+
+        return RayRunner(workers, **(options or {}))
+    from ..executor.fork_server import default_workers
+
+    n = int(workers or default_workers())
+    most = 8 * (os.cpu_count() or 1)
+    if n > most:  # each holds a GPTQ working set: a typo'd 100000 would exhaust the machine
+        raise KimiQuantError(f"--workers {n} is more than {most} (8 per core on this machine): more processes "
+                             "than that only cost memory; use fewer")
+    return SerialRunner() if n <= 1 else ProcessRunner(n)
 
 
 class _Quantizer:
