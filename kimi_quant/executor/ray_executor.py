@@ -182,21 +182,26 @@ def check_reachable(address: str, timeout: float = PROBE_SECONDS, origin: str = 
 
 
 def connect(address: str | None, workers: int | None, object_store: int | None = LOCAL_OBJECT_STORE) -> bool:
-    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``, or one running on this machine), else start a
-    local one with ``workers`` CPUs and ``object_store`` bytes of object store (None: Ray's default). True
-    when this call started Ray (its caller shuts it down again); False when this process was connected already."""
+    """``start_or_join`` unless this process is connected already; True when this call started Ray (its
+    caller shuts it down again)."""
     if ray.is_initialized():
         return False
+    start_or_join(address, workers, object_store)
+    return True
+
+
+def start_or_join(address: str | None, workers: int | None, object_store: int | None = LOCAL_OBJECT_STORE) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``, or one running on this machine), else start a
+    local one with ``workers`` CPUs and ``object_store`` bytes of object store (None: Ray's default)."""
     # Ray puts the driver's working directory on every worker's import path, ahead of site-packages
     # (a numba.py in the directory kimi-quant was run from would run in every task), unless the job
     # has a working_dir: give it an empty one (uploaded once at init; tasks get absolute paths only).
     empty = tempfile.mkdtemp(prefix="kimi-quant-ray-")
     try:
         _init_in(address, workers, object_store, dict(logging_level=logging.WARNING, configure_logging=True,
-                                        runtime_env={"working_dir": empty}))
+                                                      runtime_env={"working_dir": empty}))
     finally:
         os.rmdir(empty)
-    return True
 
 
 def _init_in(address: str | None, workers: int | None, object_store: int | None, quiet: dict) -> None:
