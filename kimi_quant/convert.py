@@ -74,22 +74,22 @@ def build_plan(source: Source, target_name: str, recipe_path=None, overrides=(),
     return plan
 
 
-def _plan_summary(plan: Plan) -> dict:
+def _journal_identity(plan: Plan) -> dict:
     return {"target": plan.target, "revision": plan.revision, "recipe": plan.recipe.get("name"),
             "recipe_sha256": plan.recipe.get("sha256"), "tool_version": plan.tool_version}
 
 
-def plan_options(plan: Plan, opts: ConvertOptions) -> dict:
+def journal_options(plan: Plan, opts: ConvertOptions) -> dict:
     """The options that made ``plan``, as the journal records them (``journal.PLAN_OPTIONS``): a re-run
     that differs names them, and the command that finishes the output is built from them."""
     return {"source": plan.source, "target": plan.target,
             "recipe": str(Path(opts.recipe).resolve()) if opts.recipe else None, "overrides": list(opts.overrides),
             "max_shard_size": plan.max_shard_size, "revision": plan.revision,
             "group_size": opts.group_size,  # None when not given: journals from before it stay equal
-            **({"calibrate": calibrate_options(opts.calibrate)} if opts.calibrate is not None else {})}
+            **({"calibrate": journal_calib_options(opts.calibrate)} if opts.calibrate is not None else {})}
 
 
-def calibrate_options(cfg) -> dict:
+def journal_calib_options(cfg) -> dict:
     """--calibrate's settings as the journal records them (``journal.CALIB_OPTIONS``); a calibration file
     by its absolute path, so the command that finishes the output works from any directory."""
     text = cfg.calibration
@@ -104,10 +104,10 @@ def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[
     """Open (or start) the journal, refusing to mix two conversions in one directory. The caller holds
     the directory's lock (``output_lock``). ``will_write``: files besides the shards this run writes
     (``--overwrite`` refuses to replace one of them that kimi-quant did not write). ``options``: the
-    options that made the plan, recorded in the journal (``plan_options``)."""
+    options that made the plan, recorded in the journal (``journal_options``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     journal = Journal(out_dir)
-    summary = _plan_summary(plan)
+    summary = _journal_identity(plan)
     fingerprint = plan.fingerprint()
     # A journal torn before its first line was complete (and stale .partial files) mean a kimi-quant
     # run died at its very start: not someone else's files.
@@ -194,12 +194,12 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
             from .calibrate.run import calibrated_plan, run_calibrated
 
             plan, windows = calibrated_plan(source, plan, opts.calibrate, quiet=opts.quiet)
-            journal = prepare_output(out_dir, plan, opts.overwrite, will_write, plan_options(plan, opts))
+            journal = prepare_output(out_dir, plan, opts.overwrite, will_write, journal_options(plan, opts))
             _warn_loaders(plan)
             result = run_calibrated(source, plan, windows, out_dir, journal, opts, t0)
             ok = True
             return result
-        journal = prepare_output(out_dir, plan, opts.overwrite, will_write, plan_options(plan, opts))
+        journal = prepare_output(out_dir, plan, opts.overwrite, will_write, journal_options(plan, opts))
         _warn_loaders(plan)
         executor = executor or make_executor(opts.executor, opts.workers, None, **opts.executor_options)  # Ray: now
         result = _run(source, plan, out_dir, journal, opts, t0, executor)

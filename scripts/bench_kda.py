@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kimi_quant.runtime.forward import kda_chunked, kda_recurrent  # noqa: E402
+from kimi_quant.runtime.kda import kda_chunked, kda_recurrent  # noqa: E402
 
 
 def best_of(fn, n: int) -> float:

@@ -8,6 +8,7 @@ import torch
 from kimi_quant.model.presets import preset_config
 from kimi_quant.model.spec import spec_from_config
 from kimi_quant.runtime import forward as fw
+from kimi_quant.runtime import kda
 
 torch.set_num_threads(1)
 
@@ -50,8 +51,8 @@ def _kda_inputs(B=2, T=150, h=3, dk=16, dv=24, seed=0, glow=-5.0):
 @pytest.mark.parametrize("glow", [-5.0, -0.01, -40.0])
 def test_kda_chunked_equals_recurrent(chunk, glow):
     q, k, v, g, beta = _kda_inputs(glow=glow)
-    o1, s1 = fw.kda_recurrent(q, k, v, g, beta)
-    o2, s2 = fw.kda_chunked(q, k, v, g, beta, chunk_size=chunk)
+    o1, s1 = kda.kda_recurrent(q, k, v, g, beta)
+    o2, s2 = kda.kda_chunked(q, k, v, g, beta, chunk_size=chunk)
     assert torch.allclose(o1, o2, atol=2e-5, rtol=1e-4)
     assert torch.allclose(s1, s2, atol=2e-5, rtol=1e-4)
 
@@ -59,7 +60,7 @@ def test_kda_chunked_equals_recurrent(chunk, glow):
 def test_kda_recurrent_matches_per_head_loop():
     """The batched recurrence against the literal per-token, per-head statement."""
     q, k, v, g, beta = _kda_inputs(B=1, T=20, h=2, dk=4, dv=3)
-    o, _ = fw.kda_recurrent(q, k, v, g, beta)
+    o, _ = kda.kda_recurrent(q, k, v, g, beta)
     for hh in range(2):
         S = torch.zeros(4, 3)
         for t in range(20):
@@ -72,8 +73,8 @@ def test_kda_recurrent_matches_per_head_loop():
 def test_kda_chunked_with_initial_state():
     q, k, v, g, beta = _kda_inputs(T=90)
     s0 = torch.randn(2, 3, 16, 24) * 0.1
-    o1, s1 = fw.kda_recurrent(q, k, v, g, beta, initial_state=s0)
-    o2, s2 = fw.kda_chunked(q, k, v, g, beta, initial_state=s0)
+    o1, s1 = kda.kda_recurrent(q, k, v, g, beta, initial_state=s0)
+    o2, s2 = kda.kda_chunked(q, k, v, g, beta, initial_state=s0)
     assert torch.allclose(o1, o2, atol=2e-5) and torch.allclose(s1, s2, atol=2e-5)
 
 
@@ -286,16 +287,16 @@ def test_unit_lower_solve_matches_torch():
         L = torch.randn(2, 3, C, C, generator=g).tril(-1) * 0.2
         R = torch.randn(2, 3, C, 5, generator=g)
         ref = torch.linalg.solve_triangular(L + torch.eye(C), R, upper=False, unitriangular=True)
-        assert torch.allclose(fw._unit_lower_solve(L, R), ref, atol=1e-5)
+        assert torch.allclose(kda.unit_lower_solve(L, R), ref, atol=1e-5)
 
 
 def test_kda_chunked_is_differentiable():
     q, k, v, g, beta = _kda_inputs(B=1, T=40, h=2, dk=8, dv=8)
     for t in (q, k, v, g, beta):
         t.requires_grad_(True)
-    o1, _ = fw.kda_recurrent(q, k, v, g, beta)
+    o1, _ = kda.kda_recurrent(q, k, v, g, beta)
     grads1 = torch.autograd.grad(o1.square().sum(), (q, k, v, g, beta))
-    o2, _ = fw.kda_chunked(q, k, v, g, beta, chunk_size=16)
+    o2, _ = kda.kda_chunked(q, k, v, g, beta, chunk_size=16)
     grads2 = torch.autograd.grad(o2.square().sum(), (q, k, v, g, beta))
     for a, b in zip(grads1, grads2):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)

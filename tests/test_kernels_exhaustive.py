@@ -187,3 +187,29 @@ def test_int4_kernels_adversarial(seed, build):
             ref = codec.quantize(bf16_to_f32(w), matmul)
             for k in fast:
                 assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), (name, group, matmul, k)
+
+
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
+@pytest.mark.parametrize("seed", range(3))
+def test_int8_pow2_kernel_adversarial(seed, build):
+    """W8A8_DYNAMIC with power-of-two row scales: the kernel against the numpy reference on rows decoded
+    from MXFP4 (the data it exists for), subnormal-only rows, zeros and -0, ties, the largest bf16."""
+    from kimi_quant.quant import decode_mxfp4_bf16, get_codec
+
+    codec = get_codec("W8A8_DYNAMIC").with_pow2_scale()
+    rng = np.random.default_rng(200 + seed)
+    codes = rng.integers(0, 256, (24, 64)).astype(np.uint8)
+    scales = rng.integers(127 - 120, 127 + 120, (24, 4)).astype(np.uint8)
+    w = decode_mxfp4_bf16(codes, scales).copy()
+    w[0] = 0
+    w[1] = 0x8000
+    w[2, :] = rng.integers(0, 0x80, 128) | (rng.integers(0, 2, 128) << 15)  # subnormal bits only
+    w[3, :] = np.uint16(0x7F7F)  # the largest finite bf16
+    w[4, :] = f32_to_bf16((rng.integers(-254, 255, 128) * 0.5).astype(np.float32))  # .5 ties at s = 1
+    w[5, :] = f32_to_bf16((rng.standard_normal(128) * 2.0 ** -133).astype(np.float32))
+    with kernels_build(build):
+        fast = codec.quantize_bf16(w, None)
+    ref = codec.quantize(bf16_to_f32(w), None)
+    for k in ref:
+        assert np.array_equal(fast[k].view(np.uint8), ref[k].view(np.uint8)), k
+

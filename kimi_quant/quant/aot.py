@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 #: writable C-contiguous 2-D output of that dtype.
 EXPORTS = {
     "int8_kernel": ("w", "int8", "float32"),
+    "int8_pow2_kernel": ("w", "int8", "float32"),
     "int4_kernel": ("w", "int8", "float32", "float32"),
     "int4_group_kernel": ("w", "i64", "i64", "int8", "float32", "float32"),
     "mxfp4_kernel": ("w", "uint8", "uint8", "f32"),

@@ -141,7 +141,7 @@ class W8A8Dynamic(Codec):
 
     ``get_codec("W8A8_DYNAMIC").with_pow2_scale()``: the same format with s the smallest power of two that
     clips nothing (``numerics.int8_pow2_scale``), for weights decoded from MXFP4: every row whose 32-blocks'
-    exponents lie within 3 of its largest is then written exactly (numpy path; the loaders read it unchanged).
+    exponents lie within 3 of its largest is then written exactly (the loaders read it unchanged).
     """
 
     name = "W8A8_DYNAMIC"
@@ -171,11 +171,11 @@ class W8A8Dynamic(Codec):
                 "weight_offset": np.zeros((codes.shape[0], 1), np.float32)}
 
     def _quantize_bf16_fast(self, w_u16, matmul, out):
-        if self.pow2_scale:  # no kernel for this rule: the numpy reference
-            return super()._quantize_bf16_fast(bf16_bits(w_u16), matmul, out)
         w = bf16_bits(w_u16)
         res = self.alloc(w.shape, matmul, out)
-        bad = load_kernels().int8_kernel(w, res["weight"], res["weight_scale"])
+        kernels = load_kernels()
+        kernel = kernels.int8_pow2_kernel if self.pow2_scale else kernels.int8_kernel
+        bad = kernel(w, res["weight"], res["weight_scale"])
         if bad >= 0:
             raise_nonfinite_bf16(w, bad)
         res["weight_offset"].fill(0)

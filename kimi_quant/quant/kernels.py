@@ -35,6 +35,8 @@ Call ``warmup()`` once in a parent process before forking workers so that they d
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .numba_cache import numba_cache_dir
@@ -338,7 +340,20 @@ def _bits_to_f32(bits16, tmp_u):
 
 
 @njit(cache=True)
-def int8_kernel(w, q_out, s_out):
+def _pow2_int8_scale(amax):
+    """``numerics.int8_pow2_scale`` of one row's float32 amax > 0: the smallest power of two s with
+    amax / s <= 127, at least 2^-149."""
+    E = np.int32(math.frexp(np.float64(amax))[1] - 1)  # exact: float32 -> float64 is
+    e = max(E - 6, np.int32(-149))
+    if np.float64(amax) > 127.0 * math.ldexp(1.0, e):
+        e += 1
+    return np.float32(math.ldexp(1.0, e))
+
+
+@njit(cache=True)
+def _int8_rows(w, q_out, s_out, pow2):
+    """Per-row symmetric int8: s = amax / 127, or with ``pow2`` the power-of-two scale that clips nothing;
+    q = clip(rint(w / s), -127, 127). Returns the first row holding Inf/NaN, else -1."""
     N, K = w.shape
     xu = np.empty(K, dtype=np.uint32)
     xf = xu.view(np.float32)
@@ -351,6 +366,8 @@ def int8_kernel(w, q_out, s_out):
             return n
         if m == 0:
             s = np.float32(1.0)
+        elif pow2:
+            s = _pow2_int8_scale(_bits_to_f32(m, tmp))
         else:
             s = _bits_to_f32(m, tmp) / np.float32(127.0)
         s_out[n, 0] = s
@@ -359,6 +376,17 @@ def int8_kernel(w, q_out, s_out):
             t = min(max(t, lo), hi)
             q_out[n, k] = np.int8(t)
     return -1
+
+
+@njit(cache=True)
+def int8_kernel(w, q_out, s_out):
+    return _int8_rows(w, q_out, s_out, False)
+
+
+@njit(cache=True)
+def int8_pow2_kernel(w, q_out, s_out):
+    """W8A8_DYNAMIC with power-of-two row scales (weights decoded from MXFP4)."""
+    return _int8_rows(w, q_out, s_out, True)
 
 
 # ------------------------------------------------------------------------------------------ int4
@@ -776,6 +804,7 @@ def warmup(writable: bool = True) -> None:
 
 def _warm(w) -> None:
     int8_kernel(w, np.empty((2, 32), np.int8), np.empty((2, 1), np.float32))
+    int8_pow2_kernel(w, np.empty((2, 32), np.int8), np.empty((2, 1), np.float32))
     for chunks in (1, 16):
         int4_kernel(w, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32), np.empty((2, chunks), np.float32))
         int4_group_kernel(w, 32, 32 if chunks == 1 else 2, np.empty((1, 32), np.int8), np.empty((2, 1), np.float32),

@@ -1,4 +1,4 @@
-"""``kimi-quant validate SOURCE QUANTIZED``: perplexity and per-layer agreement (registered by cli.py)."""
+"""``kimi-quant validate SOURCE QUANTIZED``: perplexity and per-layer agreement (registered by the cli package)."""
 
 from __future__ import annotations
 

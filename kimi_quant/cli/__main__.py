@@ -1,0 +1,5 @@
+"""``python -m kimi_quant.cli``."""
+
+from . import run
+
+run()
