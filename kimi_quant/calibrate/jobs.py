@@ -8,7 +8,8 @@ w1/w3) hold the same Hessian object; a runner sends it once where it can (Ray) a
 
 Every runner has ``run(jobs) -> iterator of results``, results in the order of the jobs, taking jobs from
 the iterable only as workers need them (a window of about two per worker), so the driver holds the weights
-and Hessians of that window, not of the whole layer.
+and Hessians of that window, not of the whole layer. Consecutive jobs that share a Hessian go to one worker
+together (``shared_hessian_groups``): it factors that Hessian once for all of them, as one process would.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -71,6 +72,23 @@ def run_gptq_job(job: GPTQJob) -> dict[str, np.ndarray]:
         torch.set_num_threads(threads)
 
 
+def run_gptq_jobs(jobs: list[GPTQJob]) -> list[dict[str, np.ndarray]]:
+    """``run_gptq_job`` of each, in order: jobs sharing a Hessian reuse its factor (``gptq`` keeps the last)."""
+    return [run_gptq_job(job) for job in jobs]
+
+
+def shared_hessian_groups(jobs: Iterable[GPTQJob]) -> Iterator[list[GPTQJob]]:
+    """``jobs`` in runs of consecutive jobs holding the same Hessian object (q/k/v, an expert's w1/w3)."""
+    group: list[GPTQJob] = []
+    for job in jobs:
+        if group and job.hessian is not group[-1].hessian:
+            yield group
+            group = []
+        group.append(job)
+    if group:
+        yield group
+
+
 def job_failure(job: GPTQJob, exc: BaseException) -> KimiQuantError:
     """The one line a failed job stops the run with (a KimiQuantError keeps its class: its exit code)."""
     text = str(exc).strip().splitlines()
@@ -85,6 +103,11 @@ def job_failure(job: GPTQJob, exc: BaseException) -> KimiQuantError:
         err = KimiQuantError(f"GPTQ of {job.name} failed: {type(exc).__name__}: {what}")
     err.__cause__ = exc
     return err
+
+
+def _named(group: list[GPTQJob]) -> GPTQJob:
+    """A stand-in job whose name lists every tensor of ``group`` (for a failure of the group as a whole)."""
+    return group[0] if len(group) == 1 else replace(group[0], name=" / ".join(j.name for j in group))
 
 
 class SerialRunner:
@@ -127,9 +150,9 @@ class ProcessRunner(SerialRunner):
             self._pool = ProcessPoolExecutor(self.workers, mp_context=start_fork_server())
         return self._pool
 
-    def _submit(self, job: GPTQJob) -> Future:
+    def _submit(self, group: list[GPTQJob]) -> Future:
         try:
-            return self._open().submit(run_gptq_job, job)
+            return self._open().submit(run_gptq_jobs, group)
         except BrokenProcessPool as e:  # a worker died before this job was handed out
             fut: Future = Future()
             fut.set_exception(e)
@@ -143,36 +166,38 @@ class ProcessRunner(SerialRunner):
                                  "(fewer --workers use less memory)")
         lost = [e for e in pending if not e[1].done() or e[1].exception() is not None]
         log.warning("kimi-quant: warning: a GPTQ worker process died (killed by a signal: the OOM killer?); "
-                    "redoing %d unfinished GPTQ jobs in new workers", len(lost))
+                    "redoing %d unfinished GPTQ jobs in new workers", sum(len(e[0]) for e in lost))
         self.close(abort=True)
         for entry in lost:
             entry[1] = self._submit(entry[0])
 
     def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
-        source = iter(jobs)
-        pending: deque[list] = deque()  # [job, future], in job order
+        groups = shared_hessian_groups(jobs)
+        pending: deque[list] = deque()  # [group, future], in job order
         window = JOBS_PER_WORKER * self.workers
 
         def fill() -> None:
             while len(pending) < window:
-                job = next(source, None)
-                if job is None:
+                group = next(groups, None)
+                if group is None:
                     return
-                pending.append([job, self._submit(job)])
+                pending.append([group, self._submit(group)])
 
         fill()
         while pending:
-            job, fut = pending[0]
+            group, fut = pending[0]
             try:
-                out = fut.result()
+                outs = fut.result()
             except BrokenProcessPool:
                 self._restart(pending)
                 continue
-            except Exception as e:  # noqa: BLE001 - one line naming the tensor
-                raise job_failure(job, e) from e
+            except KimiQuantError as e:  # names its tensor (run_gptq_job)
+                raise job_failure(next((j for j in group if j.name in str(e)), group[0]), e) from e
+            except Exception as e:  # noqa: BLE001 - one line naming the tensors
+                raise job_failure(_named(group), e) from e
             pending.popleft()
             fill()
-            yield out
+            yield from outs
 
     def pids(self) -> list[int]:
         """The worker processes now running (none before the first job)."""
