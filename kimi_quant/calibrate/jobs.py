@@ -105,6 +105,12 @@ def job_failure(job: GPTQJob, exc: BaseException) -> KimiQuantError:
     return err
 
 
+def _warm_up() -> None:
+    import torch  # noqa: F401 - what a worker's first job would otherwise wait for
+
+    from ..quant import gptq_kernels  # noqa: F401
+
+
 def _named(group: list[GPTQJob]) -> GPTQJob:
     """A stand-in job whose name lists every tensor of ``group`` (for a failure of the group as a whole)."""
     return group[0] if len(group) == 1 else replace(group[0], name=" / ".join(j.name for j in group))
@@ -148,7 +154,13 @@ class ProcessRunner(SerialRunner):
             from ..executor.fork_server import start_fork_server
 
             self._pool = ProcessPoolExecutor(self.workers, mp_context=start_fork_server())
+            for _ in range(self.workers):  # torch and GPTQ load in every worker while the driver runs a forward
+                self._pool.submit(_warm_up)
         return self._pool
+
+    def __enter__(self):
+        self._open()
+        return self
 
     def _submit(self, group: list[GPTQJob]) -> Future:
         try:
