@@ -175,9 +175,6 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
     target = resolve_target(opts.target)  # refuse unsupported targets before touching anything
     executor = source = lock = None
     ok = False
-    if opts.calibrate is not None and opts.executor != "local":
-        raise KimiQuantError("--calibrate runs on the local executor only (its layers are sequential: each needs "
-                             "the previous one's output); drop --executor ray")
     try:
         if opts.executor == "local" and opts.calibrate is None:  # workers load the kernels while the driver plans
             executor = make_executor("local", opts.workers, None)

@@ -271,7 +271,7 @@ def test_cli_refused_ray_address_is_one_line(src, tmp_path):
 
 def test_unresponsive_address_times_out(monkeypatch):
     """A port whose accept queue is full drops SYNs, like a firewalled or unrouted host: the probe gives up."""
-    from kimi_quant.executor.ray_executor import PROBE_SECONDS, RayExecutor
+    from kimi_quant.executor.ray_executor import PROBE_SECONDS, start_or_join
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with socket.socket() as srv:
@@ -281,7 +281,7 @@ def test_unresponsive_address_times_out(monkeypatch):
         with socket.create_connection(("127.0.0.1", port), timeout=2):  # fills the queue (never accepted)
             t0 = time.monotonic()
             with pytest.raises(KimiQuantError) as ei:
-                RayExecutor._init(f"127.0.0.1:{port}", None)
+                start_or_join(f"127.0.0.1:{port}", None)
             took = time.monotonic() - t0
     assert str(ei.value) == (f"cannot reach the Ray cluster at 127.0.0.1:{port} (connection timed out after "
                              f"{PROBE_SECONDS:g} s): is `ray start --head` running there and the port open?")
@@ -290,7 +290,7 @@ def test_unresponsive_address_times_out(monkeypatch):
 
 def test_test_net_address_fails_in_seconds(monkeypatch):
     """192.0.2.1 (TEST-NET-1) is never a Ray cluster: timed out, unreachable or refused, in seconds."""
-    from kimi_quant.executor.ray_executor import PROBE_SECONDS, RayExecutor
+    from kimi_quant.executor.ray_executor import PROBE_SECONDS, start_or_join
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     try:  # a network whose proxy accepts every connection would let ray.init hang: nothing to test there
@@ -300,12 +300,12 @@ def test_test_net_address_fails_in_seconds(monkeypatch):
         pass
     t0 = time.monotonic()
     with pytest.raises(KimiQuantError, match=r"^cannot reach the Ray cluster at 192\.0\.2\.1:6379 \(") as ei:
-        RayExecutor._init("192.0.2.1:6379", None)
+        start_or_join("192.0.2.1:6379", None)
     assert "\n" not in str(ei.value) and time.monotonic() - t0 < PROBE_SECONDS + 5
 
 
 def test_address_forms(monkeypatch):
-    from kimi_quant.executor.ray_executor import RayExecutor, check_reachable
+    from kimi_quant.executor.ray_executor import check_reachable, start_or_join
 
     port = _closed_port()
     with pytest.raises(KimiQuantError, match=rf"^cannot reach the Ray cluster at ray://127\.0\.0\.1:{port} "
@@ -319,4 +319,4 @@ def test_address_forms(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     for address in (None, "auto"):
         with pytest.raises(KimiQuantError, match=rf"at 127\.0\.0\.1:{port} \(from RAY_ADDRESS\) \(connection refused"):
-            RayExecutor._init(address, None)
+            start_or_join(address, None)

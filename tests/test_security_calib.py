@@ -52,7 +52,7 @@ class _Interrupt(BaseException):
 
 def _interrupted(source, out, monkeypatch, at: int = 150):
     """A calibrated run killed inside layer 2, its state after layer 1 saved."""
-    real_put, n = calib_run._UnitWriter.put, {"puts": 0}
+    real_put, n = calib_run.UnitWriter.put, {"puts": 0}
 
     def put(self, t, quantize=None):
         n["puts"] += 1
@@ -60,10 +60,10 @@ def _interrupted(source, out, monkeypatch, at: int = 150):
             raise _Interrupt()
         return real_put(self, t, quantize)
 
-    monkeypatch.setattr(calib_run._UnitWriter, "put", put)
+    monkeypatch.setattr(calib_run.UnitWriter, "put", put)
     with pytest.raises(_Interrupt):
         _convert(source, out)
-    monkeypatch.setattr(calib_run._UnitWriter, "put", real_put)
+    monkeypatch.setattr(calib_run.UnitWriter, "put", real_put)
     assert (out / calib_run.STATE_FILE).exists()
 
 

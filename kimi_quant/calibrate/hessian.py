@@ -34,6 +34,7 @@ class HessianCollector:
         self._recent: list[tuple[torch.Tensor, int]] = []
         self._next = 0
         self._final: set[int] = set()  # float32 sums already divided in place and handed out
+        self._last: tuple[int, np.ndarray] | None = None  # the float64 H last given out: sharers get one array
 
     def want(self, names: Iterable[str]) -> None:
         self._want.update(names)
@@ -74,12 +75,14 @@ class HessianCollector:
         if key is None or self._n[key] == 0:
             return None
         h = self._sum[key]
-        if h.dtype == torch.float64:
-            return (h / self._n[key]).numpy()
-        if key not in self._final:
-            h.div_(self._n[key])
-            self._final.add(key)
-        return h.numpy()
+        if h.dtype != torch.float64:  # float32 (large K): divided in place once, handed out without a copy
+            if key not in self._final:
+                h.div_(self._n[key])
+                self._final.add(key)
+            return h.numpy()
+        if self._last is None or self._last[0] != key:
+            self._last = (key, (h / self._n[key]).numpy())
+        return self._last[1]
 
     def drop(self, names: Iterable[str]) -> None:
         """Forget ``names`` (their H is used); an accumulator goes when no name refers to it."""
@@ -91,6 +94,8 @@ class HessianCollector:
             del self._sum[k], self._n[k]
             self._final.discard(k)
         self._recent = [(r, k) for r, k in self._recent if k in live]
+        if self._last is not None and self._last[0] not in live:
+            self._last = None
 
     @property
     def held_bytes(self) -> int:

@@ -9,16 +9,23 @@ Memory (``estimate.driver_bytes`` and ``estimate.worker_bytes`` count it; ``plan
            handed to GPTQ without a copy): attention side, or the MLP's non-routed Linears + a batch of experts
   a GPTQ job  the weight (fp32) + its Hessian + GPTQ's working set (one K x K float32 matrix above
               FLOAT64_MAX_K, factored in place; ``gptq.working_set_bytes``)
+  + the jobs handed to GPTQ workers: about 2 per worker, each its weight and Hessian
 
 K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, batches of 32 experts): the largest job, the layer-0
 dense down projection [7168, 33792], ~12.7 GB; the driver ~22 GB (docs/calibration.md). Full Hessians of
 the whole model could never be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB):
 Hessians live only while that layer is quantized.
 
+GPTQ runs on a runner (``jobs``: this process, local worker processes; ``ray_jobs``: Ray tasks): all the
+Linears of a stage (attention side; the MLP's non-routed Linears with the first batch of experts; each further
+batch of experts) are handed out at once and written back in plan order as their results arrive. The forward
+runs here, on one thread.
+
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;
 a re-run starts at the next layer and redoes a half-written one completely (its shards come out
-byte-identical: every step is deterministic on the same machine and thread count).
+byte-identical: every step is deterministic on the same machine; GPTQ runs on one thread wherever it runs,
+so the bytes do not depend on the runner or its number of workers).
 """
 
 from __future__ import annotations
@@ -30,11 +37,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import KimiQuantError
@@ -42,19 +48,21 @@ from ..layout.ascend_v1 import CALIB_STATE, PROVENANCE
 from ..model.spec import load_model_spec_from_source
 from ..output_run import ConvertResult, check_window, finish_output, resume_output
 from ..plan import Plan, TensorPlan, UnitPlan
-from ..quant.gptq import gptq_quantize
+from ..quant.gptq import GPTQConfig
 from ..quant.numerics import on_mxfp4_grid
 from ..recipe.recipe import FLOAT
-from ..source.safetensors import SafetensorsReader
 from ..runtime import forward as fw
 from ..quant import REGISTRY
-from ..runtime.weights import EMBED_NAMES, HEAD_NAMES, WeightLoader
-from ..write import ShardWriter, write_atomic
+from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
+from ..write import write_atomic
 from .config import MIN_TOKENS, CalibConfig
 from .hessian import HessianCollector
+from .jobs import GPTQJob, ProcessRunner, SerialRunner
+from .layer_io import Overlay, Readback, SourceWeights, UnitWriter, dequantized
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
 STATE_FILE = CALIB_STATE
+ROLES = {ATTENTION: "attention", MLP: "mlp", EXPERTS: "expert"}  # a GPTQ job's role, by stage
 log = logging.getLogger(__name__)
 
 
@@ -62,9 +70,8 @@ log = logging.getLogger(__name__)
 @contextmanager
 def _tokenizer_dir(source) -> Iterator[Path]:
     """A directory holding the source's tokenizer files (the source itself when it is local)."""
-    root = getattr(source, "root", None)
-    if root is not None:
-        yield Path(root)
+    if source.root is not None:
+        yield Path(source.root)
         return
     import tempfile
 
@@ -82,7 +89,7 @@ def calibration_windows(source, cfg: CalibConfig, quiet: bool = True) -> tuple[l
     from ..runtime.tokenizer import TIKTOKEN_FILE
 
     if cfg.tokens < MIN_TOKENS:
-        raise KimiQuantError(f"--calib-tokens {cfg.tokens} is too few: GPTQ needs at least {MIN_TOKENS} tokens "
+        raise KimiQuantError(f"--tokens {cfg.tokens} is too few: GPTQ needs at least {MIN_TOKENS} tokens "
                              "(thousands for a useful Hessian)")
     with _tokenizer_dir(source) as d:
         if not (d / TIKTOKEN_FILE).is_file():
@@ -92,14 +99,13 @@ def calibration_windows(source, cfg: CalibConfig, quiet: bool = True) -> tuple[l
     n = sum(b.numel() for b in batches)
     if n < MIN_TOKENS:
         raise KimiQuantError(f"calibration text {cfg.calibration} is too short: it gives {n} tokens, --calibrate "
-                             f"needs at least {MIN_TOKENS} (pass a longer --calibration file)")
+                             f"needs at least {MIN_TOKENS} (pass a longer --calibration-data file)")
     if n < cfg.tokens and not quiet:
         print(f"kimi-quant: note: calibration text {cfg.calibration} gives only {n} tokens, fewer than "
-              f"--calib-tokens {cfg.tokens}: calibrating on {n}", file=sys.stderr)
+              f"--tokens {cfg.tokens}: calibrating on {n}", file=sys.stderr)
     digest = hashlib.sha256(b"".join(b.to(torch.int64).numpy().tobytes() for b in batches)).hexdigest()
     g = gptq_config(cfg)  # record the settings in effect, defaults resolved
-    resolved = {"act_order": getattr(g, "act_order", cfg.act_order), "damp": getattr(g, "damp", cfg.damp)}
-    info = {"method": "GPTQ", **cfg.describe(), **resolved, "tokens": n, "tokens_requested": cfg.tokens,
+    info = {"method": "GPTQ", **cfg.describe(), "act_order": g.act_order, "damp": g.damp, "tokens": n, "tokens_requested": cfg.tokens,
             "windows": sum(b.shape[0] for b in batches), "token_sha256": digest}
     return batches, info
 
@@ -114,180 +120,74 @@ def calibrated_plan(source, plan: Plan, cfg: CalibConfig, quiet: bool = True) ->
 
 
 # -- GPTQ through the codec --------------------------------------------------------------------------
-def gptq_config(cfg: CalibConfig):
-    """The codecs' GPTQConfig with the user's settings (None where the codecs have no GPTQ)."""
-    try:
-        from ..quant.gptq import GPTQConfig
-    except ImportError:
-        return None
-    import dataclasses
+def gptq_config(cfg: CalibConfig) -> GPTQConfig:
+    """The codecs' GPTQConfig with the user's settings (the GPTQ defaults where they gave none)."""
+    given = {"damp": cfg.damp, "act_order": cfg.act_order, "device": cfg.device}
+    return GPTQConfig(**{k: v for k, v in given.items() if v is not None})
 
-    names = {f.name for f in dataclasses.fields(GPTQConfig)}
-    wanted = {"damp": cfg.damp, "act_order": cfg.act_order, "device": cfg.device}
-    aliases = {"damp": ("damp", "dampening", "percdamp", "damp_percent")}
-    kw = {}
-    for key, value in wanted.items():
-        if value is None:
-            continue
-        field = next((n for n in aliases.get(key, (key,)) if n in names), None)
-        if field is not None:
-            kw[field] = value
-    return GPTQConfig(**kw)
+
+def make_runner(executor: str, workers: int | None, options: dict | None = None):
+    """The runner of ``convert --calibrate --executor E --workers N`` (local: one process per core by default;
+    one worker runs in this process)."""
+    if executor == "ray":
+        from .ray_jobs import RayRunner  # optional extra: pip install kimi-quant[ray]
+
+        return RayRunner(workers, **(options or {}))
+    from ..executor.fork_server import default_workers
+
+    n = int(workers or default_workers())
+    most = 8 * (os.cpu_count() or 1)
+    if n > most:  # each holds a GPTQ working set: a typo'd 100000 would exhaust the machine
+        raise KimiQuantError(f"--workers {n} is more than {most} (8 per core on this machine): more processes "
+                             "than that only cost memory; use fewer")
+    return SerialRunner() if n <= 1 else ProcessRunner(n)
 
 
 class _Quantizer:
-    """Which rule each quantized Linear gets, and the counts the run reports."""
+    """Writes a run of tensors: GPTQ (on the runner, all of them at once) where a Linear has a Hessian, the
+    data-free rule elsewhere; keeps the counts the run reports."""
 
-    def __init__(self, cfg: CalibConfig):
+    def __init__(self, cfg: CalibConfig, runner):
         self.cfg = cfg
         self.gptq = gptq_config(cfg)
+        self.runner = runner
         self.stats = {"gptq_tensors": 0, "data_free_tensors": 0, "routed_experts": 0, "fallback_experts": 0,
-                      "never_routed_experts": 0, "no_gptq_codecs": 0}
+                      "never_routed_experts": 0}
 
-    def rule(self, t: TensorPlan, hessian: np.ndarray | None):
-        """``quantize`` for ``write_tensor``: None = the data-free rule (bytes as an uncalibrated run)."""
-        if t.scheme == FLOAT:
-            return None
-        if hessian is None:
-            self.stats["data_free_tensors"] += 1
-            return None
-        self.stats["gptq_tensors"] += 1
-        gptq = self.gptq
+    def write(self, writer: UnitWriter, ts: list[TensorPlan], hessian_of: dict, role: dict[str, str]) -> dict:
+        """Write ``ts`` in plan order; ``hessian_of[name]``: a callable giving its Hessian (absent: the data-free
+        rule); ``role[name]``: attention, mlp, expert or head. Returns name -> its outputs (None for FLOAT)."""
+        from ..executor.unit import release_source, source_f32
 
-        def quantize(codec, w, matmul):
-            cfg = gptq
-            if gptq is not None and (t.packed or on_mxfp4_grid(w)):
-                # decoded from MXFP4 (a packed source or its BF16 decoding: the same bytes either way): each
-                # 32-block is E2M1 levels times a power of two, which a power-of-two row scale holds
-                cfg = dataclasses.replace(gptq, pow2_scales=True)
-            return gptq_quantize(codec, w, matmul, hessian, cfg)
+        calibrated = set()
+        for t in ts:
+            if t.scheme == FLOAT:
+                continue
+            if hessian_of.get(t.name) is None:
+                self.stats["data_free_tensors"] += 1
+                continue
+            self.stats["gptq_tensors"] += 1
+            if not t.repack:  # the source's own MXFP4 codes are written as they are
+                calibrated.add(t.name)
 
-        return quantize
+        def jobs():  # read as the runner takes them: only its window of weights is held at once
+            for t in ts:
+                if t.name in calibrated:
+                    w = source_f32(writer.reader, t)
+                    release_source(writer.reader, t)
+                    gptq = self.gptq
+                    if t.packed or on_mxfp4_grid(w):
+                        # decoded from MXFP4 (a packed source or its BF16 decoding: the same bytes either way): each
+                        # 32-block is E2M1 levels times a power of two, which a power-of-two row scale holds
+                        gptq = dataclasses.replace(gptq, pow2_scales=True)
+                    yield GPTQJob(t.name, role[t.name], t.scheme, t.group_size, t.pow2_scale, t.matmul, w,
+                                  hessian_of[t.name](), gptq)
 
-
-# -- weights ------------------------------------------------------------------------------------------
-class _SourceWeights(WeightLoader):
-    """The validator's weight loader over any Source (a hub source stages the shards a layer needs)."""
-
-    def __init__(self, source, spec):
-        self.root = Path(getattr(source, "root", None) or ".")
-        self.spec = spec
-        self._source = source
-        self._readers = {}
-        self._expected = spec.expected_tensors(with_vision=False)
-        self.weight_map = source.weight_map()
-
-    def reader(self, file: str) -> SafetensorsReader:
-        r = self._readers.get(file)
-        if r is None:
-            r = self._readers[file] = SafetensorsReader(*self._source.fetch_vetted(file))
-        return r
-
-    def drop(self, file: str) -> None:
-        r = self._readers.pop(file, None)
-        if r is not None:
-            r.close()
-
-
-class _Overlay(Mapping):
-    """A layer's weights with some replaced (dequantized in memory) and some read back from the
-    output shards as written (routed experts: one at a time, never all resident)."""
-
-    def __init__(self, base: Mapping, replaced: dict[str, torch.Tensor], readback=None):
-        self._base, self._replaced, self._readback = base, replaced, readback
-
-    def __getitem__(self, rel):
-        t = self._replaced.get(rel)
-        if t is not None:
-            return t
-        if self._readback is not None:
-            t = self._readback(rel)
-            if t is not None:
-                return t
-        return self._base[rel]
-
-    def __contains__(self, rel):
-        return rel in self._base
-
-    def __iter__(self):
-        return iter(self._base)
-
-    def __len__(self):
-        return len(self._base)
-
-
-def _dequantized(t: TensorPlan, out: dict[str, np.ndarray]) -> torch.Tensor:
-    w = np.asarray(t.codec.dequantize(dict(out)), dtype=np.float32)
-    return torch.from_numpy(np.ascontiguousarray(w))
-
-
-class _Readback:
-    """Dequantize a quantized tensor from the committed output shards (what the device will load)."""
-
-    def __init__(self, out_dir: Path, units: list[UnitPlan], spec):
-        self._where = {relative_name(spec, t.name): (t, u.file) for u in units for t in u.tensors
-                       if t.scheme != FLOAT}
-        self._out_dir = out_dir
-        self._readers: dict[str, SafetensorsReader] = {}
-
-    def __call__(self, rel: str) -> torch.Tensor | None:
-        hit = self._where.get(rel)
-        if hit is None:
-            return None
-        t, file = hit
-        r = self._readers.get(file) or self._readers.setdefault(file, SafetensorsReader(self._out_dir / file))
-        base = t.name.removesuffix(".weight")
-        parts = {}
-        for name, _, _ in t.outputs:
-            parts[name[len(base) + 1:]] = np.array(r.array(name), copy=True)
-            r.release(name)
-        return _dequantized(t, parts)
-
-    def close(self) -> None:
-        for r in self._readers.values():
-            r.close()
-
-
-# -- writing a layer's units --------------------------------------------------------------------------
-class _UnitWriter:
-    """Writes tensors, in plan order, into a run of units; commits and journals each as it fills."""
-
-    def __init__(self, out_dir: Path, units: list[UnitPlan], journal, made_from: dict, weights: _SourceWeights,
-                 progress):
-        self._out_dir, self._journal, self._made_from, self._weights = out_dir, journal, made_from, weights
-        self._queue = [(u, t) for u in units for t in u.tensors]
-        self._pos = 0
-        self._writer: ShardWriter | None = None
-        self._progress = progress
-
-    def next_tensor(self) -> TensorPlan | None:
-        return self._queue[self._pos][1] if self._pos < len(self._queue) else None
-
-    def remaining(self) -> list[TensorPlan]:
-        return [t for _, t in self._queue[self._pos:]]
-
-    def put(self, t: TensorPlan, quantize=None) -> dict[str, np.ndarray] | None:
-        from ..executor.unit import write_tensor
-
-        unit, expected = self._queue[self._pos]
-        if expected is not t:
-            raise RuntimeError(f"calibrated writer: expected {expected.name}, got {t.name}")
-        if self._writer is None:
-            entries = [(n, dt, tuple(s)) for tp in unit.tensors for n, dt, s in tp.outputs]
-            self._writer = ShardWriter(self._out_dir / unit.file, entries)
-        out = write_tensor(self._writer, self._weights.reader, t, quantize)
-        self._pos += 1
-        self._progress(t.in_bytes)
-        if self._pos == len(self._queue) or self._queue[self._pos][0] is not unit:
-            size, sha = self._writer.commit()
-            self._writer = None
-            self._journal.record_unit(unit.file, size, sha, self._made_from[unit.file])
-        return out
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
-            self._writer = None
+        results = self.runner.run(jobs())
+        try:
+            return {t.name: writer.put(t, next(results) if t.name in calibrated else None) for t in ts}
+        finally:
+            results.close()
 
 
 # -- the state checkpoint ------------------------------------------------------------------------------
@@ -389,52 +289,23 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     cfg: CalibConfig = opts.calibrate
     spec = load_model_spec_from_source(source, recipe_given=True)
     tcfg = spec.text
-    n_layers = tcfg.num_hidden_layers
-    if opts.workers:
-        torch.set_num_threads(opts.workers)
+    # One thread: the GPTQ workers have the cores, and torch's idle intra-op threads would spin on them
+    torch.set_num_threads(1)
     r = resume_output(source, plan, out_dir, journal, opts, all_inputs=True)
-    check_window(getattr(source, "max_disk", None), r.todo, r.entries)  # the same --max-disk bound as a data-free run
-    by_layer = units_by_layer(plan, spec)
+    check_window(source.max_disk, r.todo, r.entries)  # the same --max-disk bound as a data-free run
     info = dict(plan.extra["calibration"])
     binding = state_binding(plan.fingerprint(), r.made_from, info, cfg)
-    quant = _Quantizer(cfg)
+    quant = _Quantizer(cfg, None)
     layers_done = 0
     total = sum(u.in_bytes for u in r.todo)
     bar = (NoBar(total) if opts.quiet or total == 0 else
            progress_bar(total, f"calibrate {plan.target}", smoothing=0.1))
-    weights = _SourceWeights(source, spec)
+    weights = SourceWeights(source, spec)
     try:
         if r.todo:
-            resumed = _load_state(out_dir, binding, windows)
-            start, states = 0, None
-            if resumed is not None:
-                layer, saved, stats = resumed
-                if all(u.file in r.done for L in range(layer + 1) for u in by_layer.get(L, [])):
-                    start, states = layer + 1, saved
-                    quant.stats.update(stats)
-            if states is None:
-                gw, _ = weights.globals(EMBED_NAMES)
-                states = [fw.embed(gw, b) for b in windows]
-                del gw
-            source.prefetch(plan.source_order())
-            last_use = _last_use(plan, spec, n_layers)
-            for i in range(start, n_layers):
-                bar.set_postfix_str(f"layer {i}/{n_layers}", refresh=True)
-                writer = _UnitWriter(out_dir, by_layer.get(i, []), journal, r.made_from, weights, bar.update)
-                try:
-                    states = _layer(tcfg, i, weights, states, writer, quant, cfg, out_dir, by_layer.get(i, []), spec)
-                except BaseException:
-                    writer.abort()
-                    raise
-                _save_state(out_dir, binding, i, states, quant.stats)
-                layers_done += 1
-                _release(source, weights, last_use, i)
-            writer = _UnitWriter(out_dir, by_layer.get(GLOBAL, []), journal, r.made_from, weights, bar.update)
-            try:
-                _globals(tcfg, weights, states, writer, quant, spec)
-            except BaseException:
-                writer.abort()
-                raise
+            with make_runner(opts.executor, opts.workers, opts.executor_options) as quant.runner:
+                layers_done = _run_layers(tcfg, source, plan, windows, out_dir, journal, r, quant, weights, bar,
+                                          binding, spec)
     finally:
         bar.close()
         weights.close()
@@ -444,7 +315,45 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     finish_output(source, plan, out_dir, journal, opts, r, {"calibration": info})
     (out_dir / STATE_FILE).unlink(missing_ok=True)
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(r.todo), len(r.done),
-                         sum(u.in_bytes for u in r.todo), getattr(source, "peak_staged_bytes", None), info)
+                         sum(u.in_bytes for u in r.todo), source.peak_staged_bytes, info)
+
+
+def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, quant: _Quantizer,
+                weights: SourceWeights, bar, binding: str, spec) -> int:
+    """Every layer still to do, from the saved state if there is one, then the globals; the layers run."""
+    cfg: CalibConfig = quant.cfg
+    n_layers = tcfg.num_hidden_layers
+    by_layer = units_by_layer(plan, spec)
+    resumed = _load_state(out_dir, binding, windows)
+    start, states = 0, None
+    if resumed is not None:
+        layer, saved, stats = resumed
+        if all(u.file in r.done for L in range(layer + 1) for u in by_layer.get(L, [])):
+            start, states = layer + 1, saved
+            quant.stats.update((k, v) for k, v in stats.items() if k in quant.stats)
+    if states is None:
+        gw, _ = weights.globals(EMBED_NAMES)
+        states = [fw.embed(gw, b) for b in windows]
+        del gw
+    source.prefetch(plan.source_order())
+    last_use = _last_use(plan, spec, n_layers)
+    for i in range(start, n_layers):
+        bar.set_postfix_str(f"layer {i + 1}/{n_layers}", refresh=True)  # the layer being worked on, 1-based
+        writer = UnitWriter(out_dir, by_layer.get(i, []), journal, r.made_from, weights, bar.update)
+        try:
+            states = _layer(tcfg, i, weights, states, writer, quant, cfg, out_dir, by_layer.get(i, []), spec)
+        except BaseException:
+            writer.abort()
+            raise
+        _save_state(out_dir, binding, i, states, quant.stats)
+        _release(source, weights, last_use, i)
+    writer = UnitWriter(out_dir, by_layer.get(GLOBAL, []), journal, r.made_from, weights, bar.update)
+    try:
+        _globals(tcfg, weights, states, writer, quant, spec)
+    except BaseException:
+        writer.abort()
+        raise
+    return n_layers - start
 
 
 def _previous_stats(out_dir: Path) -> dict | None:
@@ -463,14 +372,14 @@ def _last_use(plan: Plan, spec, n_layers: int) -> dict[str, int]:
     return last
 
 
-def _release(source, weights: _SourceWeights, last_use: dict[str, int], layer: int) -> None:
+def _release(source, weights: SourceWeights, last_use: dict[str, int], layer: int) -> None:
     for f, last in last_use.items():
         if last == layer:
             weights.drop(f)
             source.release(f)
 
 
-def _layer(tcfg, i: int, weights: _SourceWeights, states: list, writer: _UnitWriter, quant: _Quantizer,
+def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWriter, quant: _Quantizer,
            cfg: CalibConfig, out_dir: Path, units: list[UnitPlan], spec) -> list:
     """Quantize and write layer i; return the state after it."""
     w_src, _ = weights.layer(i)
@@ -484,42 +393,24 @@ def _layer(tcfg, i: int, weights: _SourceWeights, states: list, writer: _UnitWri
     coll = HessianCollector()
     deq: dict[str, torch.Tensor] = {}
 
-    def emit(ts: list[TensorPlan], min_tokens: int = 0) -> None:
+    def emit(ts: list[TensorPlan], min_tokens: dict[str, int]) -> None:
+        """GPTQ every Linear of ``ts`` that saw enough tokens (all at once, on the runner), write them all."""
+        def hessian(name: str):
+            return lambda: coll.hessian(name)
+
+        given = {t.name: hessian(rel[t.name]) for t in ts if t.scheme != FLOAT and coll.tokens(rel[t.name]) > 0
+                 and coll.tokens(rel[t.name]) >= min_tokens.get(t.name, 0)}
+        outs = quant.write(writer, ts, given, {t.name: ROLES[stage[t.name][0]] for t in ts})
         for t in ts:
-            name = rel[t.name]
-            h = coll.hessian(name) if t.scheme != FLOAT else None
-            if h is not None and coll.tokens(name) < min_tokens:
-                h = None
-            out = writer.put(t, quant.rule(t, h))
-            if out is not None and propagate and stage[t.name][0] != EXPERTS:
-                deq[name] = _dequantized(t, out)
+            if outs[t.name] is not None and propagate and stage[t.name][0] != EXPERTS:
+                deq[rel[t.name]] = dequantized(t, outs[t.name])
         coll.drop(rel[t.name] for t in ts)
 
-    # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
-    coll.want(quantized(by_stage[ATTENTION]))
-    with fw.observe_linear_inputs(coll):
-        parts = fw.layers_attention(tcfg, i, w_src, states)
-    emit(by_stage[ATTENTION])
-    if propagate and deq:
-        parts = fw.layers_attention(tcfg, i, _Overlay(w_src, deq), states, act)
-    # 2. the MLP: non-routed Linears and the first batch of experts in one full pass, then the other batches
-    experts = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
-    batches = _chunks(experts, cfg.expert_batch)
-    expert_tensors = {e: [t for t in by_stage[EXPERTS] if stage[t.name][1] == e] for e in experts}
-    coll.want(quantized(by_stage[MLP]))
-    coll.want(n for e in batches[0] for n in quantized(expert_tensors[e]))
-    with fw.observe_linear_inputs(coll):
-        out_bf16 = fw.layers_mlp(tcfg, i, w_src, parts)
-    emit(by_stage[MLP])
-    h2ns = [h2n for _, _, h2n in parts]
-    for j, batch in enumerate(batches):
-        if j:
-            coll.want(n for e in batch for n in quantized(expert_tensors[e]))
-            with fw.observe_linear_inputs(coll):
-                fw.moe_many(tcfg, w_src, h2ns, experts=set(batch))
+    def count_experts(batch: list[int]) -> dict[str, int]:
+        """The run's counts of routed experts that saw too few tokens; the token floor of their tensors."""
+        floor = {}
         for e in batch:
-            ts = expert_tensors[e]
-            names = quantized(ts)
+            names = quantized(expert_tensors[e])
             if names:
                 n = max(coll.tokens(x) for x in names)
                 quant.stats["routed_experts"] += 1
@@ -527,20 +418,47 @@ def _layer(tcfg, i: int, weights: _SourceWeights, states: list, writer: _UnitWri
                     quant.stats["never_routed_experts"] += 1
                 elif n < cfg.min_expert_tokens:
                     quant.stats["fallback_experts"] += 1
-            emit(ts, cfg.min_expert_tokens)
+            floor.update((t.name, cfg.min_expert_tokens) for t in expert_tensors[e])
+        return floor
+
+    # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
+    coll.want(quantized(by_stage[ATTENTION]))
+    with fw.observe_linear_inputs(coll):
+        parts = fw.layers_attention(tcfg, i, w_src, states)
+    emit(by_stage[ATTENTION], {})
+    if propagate and deq:
+        parts = fw.layers_attention(tcfg, i, Overlay(w_src, deq), states, act)
+    # 2. the MLP: non-routed Linears and the first batch of experts in one full pass (and one set of GPTQ
+    # jobs), then the other batches of experts
+    experts = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
+    batches = _chunks(experts, cfg.expert_batch)
+    expert_tensors = {e: [t for t in by_stage[EXPERTS] if stage[t.name][1] == e] for e in experts}
+    coll.want(quantized(by_stage[MLP]))
+    coll.want(n for e in batches[0] for n in quantized(expert_tensors[e]))
+    with fw.observe_linear_inputs(coll):
+        out_bf16 = fw.layers_mlp(tcfg, i, w_src, parts)
+    h2ns = [h2n for _, _, h2n in parts]
+    for j, batch in enumerate(batches):
+        if j:
+            coll.want(n for e in batch for n in quantized(expert_tensors[e]))
+            with fw.observe_linear_inputs(coll):
+                fw.moe_many(tcfg, w_src, h2ns, experts=set(batch))
+        floor = count_experts(batch)
+        ts = [t for e in batch for t in expert_tensors[e]]
+        emit((by_stage[MLP] if j == 0 else []) + ts, floor)
     if writer.next_tensor() is not None:
         raise RuntimeError(f"layer {i}: {writer.next_tensor().name} was never written")
     if not propagate:
         return out_bf16
     # 3. the layer's output as the device will compute it: dequantized weights, activation fake-quant
-    readback = _Readback(out_dir, units, spec)
+    readback = Readback(out_dir, units, spec)
     try:
-        return fw.layers_mlp(tcfg, i, _Overlay(w_src, deq, readback), parts, act)
+        return fw.layers_mlp(tcfg, i, Overlay(w_src, deq, readback), parts, act)
     finally:
         readback.close()
 
 
-def _globals(tcfg, weights: _SourceWeights, states: list, writer: _UnitWriter, quant: _Quantizer, spec) -> None:
+def _globals(tcfg, weights: SourceWeights, states: list, writer: UnitWriter, quant: _Quantizer, spec) -> None:
     """Embedding, final norms, lm_head (GPTQ from the final state if it is quantized), vision: last."""
     tensors = writer.remaining()
     coll = HessianCollector()
@@ -552,6 +470,7 @@ def _globals(tcfg, weights: _SourceWeights, states: list, writer: _UnitWriter, q
             for st in states:
                 fw.head(tcfg, gw, st)
         del gw
-    for t in tensors:
-        h = coll.hessian(relative_name(spec, t.name)) if t.scheme != FLOAT else None
-        writer.put(t, quant.rule(t, h))
+    rel = {t.name: relative_name(spec, t.name) for t in tensors}
+    given = {t.name: (lambda n=rel[t.name]: coll.hessian(n)) for t in tensors
+             if t.scheme != FLOAT and coll.tokens(rel[t.name]) > 0}
+    quant.write(writer, tensors, given, {t.name: "head" for t in tensors})

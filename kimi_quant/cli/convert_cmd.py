@@ -72,8 +72,9 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
 
     With --calibrate, each quantized Linear is quantized with GPTQ against the Hessian of its inputs,
     collected by running the BF16 model layer by layer over calibration text (routed experts from the
-    tokens routed to them); the output format is the same. It runs layer by layer in this process
-    (resumable per layer) and needs the source's tokenizer.
+    tokens routed to them); the output format is the same. It runs layer by layer (resumable per
+    layer), each layer's GPTQ problems on --workers local processes or, with --executor ray, as Ray
+    tasks (same bytes either way), and needs the source's tokenizer.
     """
     # No collections while the converter loads (numpy, the converter's modules, the fork server's start):
     # what that makes lives to the end anyway, and collecting it as it comes only delays the start-up.
@@ -83,6 +84,12 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
 
         resolve_target(target)
         check_staging_options(source, revision, work_dir, max_disk, keep_source)
+        if not do_validate:
+            # numpy's OpenBLAS starts a thread per core that spins for a while once numpy loads (~0.1 core-s a
+            # run, taken from the workers); nothing in a plain conversion multiplies matrices (workers: the same),
+            # and --calibrate's GPTQ runs on one thread per worker (--workers 1: one core). Before torch, which
+            # may load numpy.
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         if calibrate or do_validate:
             require_torch("--calibrate" if calibrate else "--validate")
         if max_ppl_increase is not None and not do_validate:
@@ -92,10 +99,6 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
         if do_validate and not Path(source).expanduser().is_dir():
             raise KimiQuantError("--validate needs the BF16 source as a local directory (hub shards are deleted as "
                                  "they are converted); run `kimi-quant validate BF16_DIR OUTPUT` where both exist")
-        if not calibrate and not do_validate:
-            # numpy's OpenBLAS starts a thread per core that spins for a while once numpy loads (~0.1 core-s a
-            # run, taken from the workers); nothing in a plain conversion multiplies matrices (workers: the same)
-            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         if executor == "local" and not calibrate and (workers or default_workers()) > 1 \
                 and (do_validate or not fork_workers_here()):
             # workers that cannot be forked from this process (see executor.fork_server; --validate imports

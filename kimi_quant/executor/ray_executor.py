@@ -49,7 +49,7 @@ LOCAL_OBJECT_STORE = 200 * 2**20  # only paths go through the object store
 PROBE_SECONDS = 5.0  # how long a cluster address may take to accept a TCP connection
 
 # Failures that Ray retries: the worker process or its node went away, or a transient OSError.
-_SYSTEM_ERRORS = tuple(getattr(rex, n) for n in ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError",
+SYSTEM_ERRORS = tuple(getattr(rex, n) for n in ("WorkerCrashedError", "NodeDiedError", "OutOfMemoryError",
                                                  "ObjectLostError", "RaySystemError", "LocalRayletDiedError")
                        if hasattr(rex, n))
 
@@ -118,7 +118,7 @@ def _convert_unit_task(unit: dict, paths: dict[str, str], out_dir: str, progress
         rep.flush(wait=True)
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__).strip()
 
@@ -128,13 +128,13 @@ def unit_failure(file: str, exc: BaseException) -> BaseException:
     cause = exc.cause if isinstance(exc, rex.RayTaskError) and getattr(exc, "cause", None) is not None else exc
     if isinstance(cause, KimiQuantError):  # deterministic: never retried
         cls = type(cause)
-        msg = f"unit {file} failed after 1 attempt: {_one_line(cause)}"
+        msg = f"unit {file} failed after 1 attempt: {one_line(cause)}"
         try:
             err = cls(msg)
         except Exception:  # noqa: BLE001 - a subclass with another constructor
             err = KimiQuantError(msg)
-    elif isinstance(cause, OSError) or isinstance(cause, _SYSTEM_ERRORS):
-        what = _one_line(cause) if isinstance(cause, OSError) else f"{type(cause).__name__}: {_one_line(cause)}"
+    elif isinstance(cause, OSError) or isinstance(cause, SYSTEM_ERRORS):
+        what = one_line(cause) if isinstance(cause, OSError) else f"{type(cause).__name__}: {one_line(cause)}"
         err = KimiQuantError(f"unit {file} failed after {MAX_RETRIES + 1} attempts: {what}")
     elif isinstance(cause, rex.TaskCancelledError):
         return cause
@@ -181,17 +181,57 @@ def check_reachable(address: str, timeout: float = PROBE_SECONDS, origin: str = 
                          "and the port open?")
 
 
+def connect(address: str | None, workers: int | None, object_store: int | None = LOCAL_OBJECT_STORE) -> bool:
+    """``start_or_join`` unless this process is connected already; True when this call started Ray (its
+    caller shuts it down again)."""
+    if ray.is_initialized():
+        return False
+    start_or_join(address, workers, object_store)
+    return True
+
+
+def start_or_join(address: str | None, workers: int | None, object_store: int | None = LOCAL_OBJECT_STORE) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``, or one running on this machine), else start a
+    local one with ``workers`` CPUs and ``object_store`` bytes of object store (None: Ray's default)."""
+    # Ray puts the driver's working directory on every worker's import path, ahead of site-packages
+    # (a numba.py in the directory kimi-quant was run from would run in every task), unless the job
+    # has a working_dir: give it an empty one (uploaded once at init; tasks get absolute paths only).
+    empty = tempfile.mkdtemp(prefix="kimi-quant-ray-")
+    try:
+        _init_in(address, workers, object_store, dict(logging_level=logging.WARNING, configure_logging=True,
+                                                      runtime_env={"working_dir": empty}))
+    finally:
+        os.rmdir(empty)
+
+
+def _init_in(address: str | None, workers: int | None, object_store: int | None, quiet: dict) -> None:
+    env = os.environ.get("RAY_ADDRESS")
+    target = env if env and address in (None, "auto") else address  # Ray lets RAY_ADDRESS stand in for these
+    if target:
+        check_reachable(target, origin="" if target == address else "RAY_ADDRESS")
+    try:
+        if address or os.environ.get("RAY_ADDRESS"):
+            ray.init(address=address, **quiet)
+            return
+        try:  # a cluster already running on this machine (ray start --head)
+            ray.init(address="auto", **quiet)
+            return
+        except ConnectionError:
+            pass
+        ray.init(num_cpus=workers or None, include_dashboard=False, object_store_memory=object_store, **quiet)
+    except ConnectionError as e:
+        raise KimiQuantError(f"cannot reach the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}: "
+                             f"{one_line(e)}") from e
+
+
 class RayExecutor(Executor):
     remote = True  # workers may be on other nodes: a split shard is hashed and renamed by a task, not the driver
 
     def __init__(self, workers: int | None = None, on_progress: Callable[[int], None] | None = None,
                  address: str | None = None, **_ignored):
         self.on_progress = on_progress or (lambda n: None)
-        self._owns_ray = False
         self._closed = False
-        if not ray.is_initialized():
-            self._init(address, workers)
-            self._owns_ray = True
+        self._owns_ray = connect(address, workers)
         cpus = int(ray.cluster_resources().get("CPU", 0))
         self.slots = max(1, int(workers) if workers else cpus)
         self._actor = _Progress.remote()
@@ -200,39 +240,6 @@ class RayExecutor(Executor):
         self._stop = threading.Event()
         self._drain = threading.Thread(target=self._drain_progress, name="ray-progress", daemon=True)
         self._drain.start()
-
-    @staticmethod
-    def _init(address: str | None, workers: int | None) -> None:
-        # Ray puts the driver's working directory on every worker's import path, ahead of site-packages
-        # (a numba.py in the directory kimi-quant was run from would run in every task), unless the job
-        # has a working_dir: give it an empty one (uploaded once at init; tasks get absolute paths only).
-        empty = tempfile.mkdtemp(prefix="kimi-quant-ray-")
-        try:
-            RayExecutor._init_in(address, workers, dict(logging_level=logging.WARNING, configure_logging=True,
-                                                          runtime_env={"working_dir": empty}))
-        finally:
-            os.rmdir(empty)
-
-    @staticmethod
-    def _init_in(address: str | None, workers: int | None, quiet: dict) -> None:
-        env = os.environ.get("RAY_ADDRESS")
-        target = env if env and address in (None, "auto") else address  # Ray lets RAY_ADDRESS stand in for these
-        if target:
-            check_reachable(target, origin="" if target == address else "RAY_ADDRESS")
-        try:
-            if address or os.environ.get("RAY_ADDRESS"):
-                ray.init(address=address, **quiet)
-                return
-            try:  # a cluster already running on this machine (ray start --head)
-                ray.init(address="auto", **quiet)
-                return
-            except ConnectionError:
-                pass
-            ray.init(num_cpus=workers or None, include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE,
-                     **quiet)
-        except ConnectionError as e:
-            raise KimiQuantError(f"cannot reach the Ray cluster at {address or os.environ.get('RAY_ADDRESS')}: "
-                                 f"{_one_line(e)}") from e
 
     # -- progress -----------------------------------------------------------------------------
     def _take(self, timeout: float = 10.0) -> None:

@@ -167,12 +167,13 @@ def source_f32(reader_of: Callable[[str], SafetensorsReader], t) -> np.ndarray:
 
 
 def write_tensor(writer: ShardWriter, reader_of: Callable[[str], SafetensorsReader], t,
-                 quantize=None) -> dict[str, np.ndarray] | None:
+                 quantized: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray] | None:
     """Write source tensor ``t`` (a TensorPlan) into ``writer``: FLOAT bytes streamed through, or its
-    codec's output. ``reader_of(file)``: the open reader of a source shard. ``quantize(codec, w_f32,
-    matmul)``, when given, replaces the data-free rule (the calibrated path passes GPTQ here). A packed
-    MXFP4 source becomes W4A8_MXFP as it is (whatever ``quantize``: the source's values are already on
-    that grid) and is decoded exactly for any other scheme. Returns the quantized outputs (None for FLOAT)."""
+    codec's output. ``reader_of(file)``: the open reader of a source shard. ``quantized``, when given, is
+    the codec's output computed elsewhere (the calibrated path's GPTQ), written instead of the data-free
+    rule's. A packed MXFP4 source becomes W4A8_MXFP as it is (whatever ``quantized``: the source's values
+    are already on that grid) and is decoded exactly for any other scheme. Returns the quantized outputs
+    (None for FLOAT)."""
     where = f"{reader_of(t.file).path}: tensor {t.name!r}"
     out = None
     if t.scheme == FLOAT and not t.packed:
@@ -188,8 +189,8 @@ def write_tensor(writer: ShardWriter, reader_of: Callable[[str], SafetensorsRead
         try:
             if t.repack:
                 out = codec.from_mxfp4(*read_source(reader_of, t))
-            elif quantize is not None:
-                out = quantize(codec, source_f32(reader_of, t), t.matmul)
+            elif quantized is not None:
+                out = quantized
             elif t.packed:  # the decoded values are exact in bf16 (1-bit mantissas), so the fast path takes them
                 out = codec.quantize_bf16(decode_mxfp4_bf16(*read_source(reader_of, t)), t.matmul)
             elif t.dtype == "BF16":

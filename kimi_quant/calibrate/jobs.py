@@ -1,0 +1,227 @@
+"""The GPTQ problems of a layer as jobs, and the runners that solve them: in this process (``SerialRunner``)
+or in local worker processes (``ProcessRunner``); ``ray_jobs.RayRunner`` runs them as Ray tasks.
+
+A job is self-contained (the weight as float32, the Hessian of its inputs, the codec's name and the GPTQ
+settings) and ``run_gptq_job`` is a pure function of it, run on one thread wherever it runs: the bytes do
+not depend on the runner or on how many workers it has. Linears fed the same input (q/k/v, an expert's
+w1/w3) hold the same Hessian object; a runner sends it once where it can (Ray) and the driver keeps one copy.
+
+Every runner has ``run(jobs) -> iterator of results``, results in the order of the jobs, taking jobs from
+the iterable only as workers need them (a window of about two per worker), so the driver holds the weights
+and Hessians of that window, not of the whole layer. Consecutive jobs that share a Hessian go to one worker
+together (``shared_hessian_groups``): it factors that Hessian once for all of them, as one process would.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import BadCheckpoint, KimiQuantError
+from ..quant.base import get_codec
+from ..quant.gptq import GPTQConfig, gptq_quantize
+
+log = logging.getLogger(__name__)
+
+#: times the worker processes may die (the OOM killer, a kill) before the run gives up
+MAX_RESTARTS = 3
+#: jobs handed out per worker at once: one running, one waiting, so a worker never idles on the driver
+JOBS_PER_WORKER = 2
+
+
+@dataclass(frozen=True)
+class GPTQJob:
+    """One Linear's GPTQ problem. ``name``: the source tensor (for messages); ``role``: attention, mlp,
+    expert or head; ``scheme``, ``group_size``, ``pow2_scale``, ``matmul``: the codec as the plan has it;
+    ``weight``: float32 [N, K]; ``hessian``: (1/n) sum x x^T [K, K] of its inputs."""
+
+    name: str
+    role: str
+    scheme: str
+    group_size: int
+    pow2_scale: bool
+    matmul: str | None
+    weight: np.ndarray
+    hessian: np.ndarray
+    config: GPTQConfig
+
+    @property
+    def codec(self):
+        codec = get_codec(self.scheme, self.group_size)
+        return codec.with_pow2_scale() if self.pow2_scale else codec
+
+
+def run_gptq_job(job: GPTQJob) -> dict[str, np.ndarray]:
+    """The codec's on-disk tensors of ``job.weight`` quantized by GPTQ against ``job.hessian``, computed on
+    one thread (torch's intra-op threads would make the result depend on where it ran)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return dict(gptq_quantize(job.codec, job.weight, job.matmul, job.hessian, job.config))
+    except ValueError as e:  # codecs refuse NaN / Inf
+        raise BadCheckpoint(f"tensor {job.name!r}: {e}") from None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_gptq_jobs(jobs: list[GPTQJob]) -> list[dict[str, np.ndarray]]:
+    """``run_gptq_job`` of each, in order: jobs sharing a Hessian reuse its factor (``gptq`` keeps the last)."""
+    return [run_gptq_job(job) for job in jobs]
+
+
+def shared_hessian_groups(jobs: Iterable[GPTQJob]) -> Iterator[list[GPTQJob]]:
+    """``jobs`` in runs of consecutive jobs holding the same Hessian object (q/k/v, an expert's w1/w3)."""
+    group: list[GPTQJob] = []
+    for job in jobs:
+        if group and job.hessian is not group[-1].hessian:
+            yield group
+            group = []
+        group.append(job)
+    if group:
+        yield group
+
+
+def job_failure(job: GPTQJob, exc: BaseException) -> KimiQuantError:
+    """The one line a failed job stops the run with (a KimiQuantError keeps its class: its exit code)."""
+    text = str(exc).strip().splitlines()
+    what = text[0].strip() if text else type(exc).__name__
+    if isinstance(exc, KimiQuantError):
+        msg = what if job.name in what else f"GPTQ of {job.name}: {what}"
+        try:
+            err = type(exc)(msg)
+        except Exception:  # noqa: BLE001 - a subclass with another constructor
+            err = KimiQuantError(msg)
+    else:
+        err = KimiQuantError(f"GPTQ of {job.name} failed: {type(exc).__name__}: {what}")
+    err.__cause__ = exc
+    return err
+
+
+def _warm_up() -> None:
+    import torch  # noqa: F401 - what a worker's first job would otherwise wait for
+
+    from ..quant import gptq_kernels  # noqa: F401
+
+
+def _named(group: list[GPTQJob]) -> GPTQJob:
+    """A stand-in job whose name lists every tensor of ``group`` (for a failure of the group as a whole)."""
+    return group[0] if len(group) == 1 else replace(group[0], name=" / ".join(j.name for j in group))
+
+
+class SerialRunner:
+    """Every job in this process, one after the other."""
+
+    workers = 1
+
+    def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
+        for job in jobs:
+            try:
+                out = run_gptq_job(job)
+            except Exception as e:  # noqa: BLE001 - one line naming the tensor
+                raise job_failure(job, e) from e
+            yield out
+
+    def close(self, abort: bool = False) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        self.close(abort=kind is not None)
+
+
+class ProcessRunner(SerialRunner):
+    """Jobs in ``workers`` local processes, forked from the project's fork server (kernels loaded, one BLAS
+    thread, SIGINT left to the driver). A worker that dies takes the pool with it: a new pool redoes every
+    job not finished yet (the run says so), up to MAX_RESTARTS times."""
+
+    def __init__(self, workers: int):
+        self.workers = max(1, int(workers))
+        self._pool: ProcessPoolExecutor | None = None
+        self.restarts = 0
+
+    def _open(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            from ..executor.fork_server import start_fork_server
+
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=start_fork_server())
+            for _ in range(self.workers):  # torch and GPTQ load in every worker while the driver runs a forward
+                self._pool.submit(_warm_up)
+        return self._pool
+
+    def __enter__(self):
+        self._open()
+        return self
+
+    def _submit(self, group: list[GPTQJob]) -> Future:
+        try:
+            return self._open().submit(run_gptq_jobs, group)
+        except BrokenProcessPool as e:  # a worker died before this job was handed out
+            fut: Future = Future()
+            fut.set_exception(e)
+            return fut
+
+    def _restart(self, pending: deque) -> None:
+        self.restarts += 1
+        if self.restarts > MAX_RESTARTS:
+            raise KimiQuantError(f"GPTQ worker processes died {self.restarts} times (killed by a signal: the OOM "
+                                 "killer?); finished layers are kept: re-run the same command to resume "
+                                 "(fewer --workers use less memory)")
+        lost = [e for e in pending if not e[1].done() or e[1].exception() is not None]
+        log.warning("kimi-quant: warning: a GPTQ worker process died (killed by a signal: the OOM killer?); "
+                    "redoing %d unfinished GPTQ jobs in new workers", sum(len(e[0]) for e in lost))
+        self.close(abort=True)
+        for entry in lost:
+            entry[1] = self._submit(entry[0])
+
+    def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
+        groups = shared_hessian_groups(jobs)
+        pending: deque[list] = deque()  # [group, future], in job order
+        window = JOBS_PER_WORKER * self.workers
+
+        def fill() -> None:
+            while len(pending) < window:
+                group = next(groups, None)
+                if group is None:
+                    return
+                pending.append([group, self._submit(group)])
+
+        fill()
+        while pending:
+            group, fut = pending[0]
+            try:
+                outs = fut.result()
+            except BrokenProcessPool:
+                self._restart(pending)
+                continue
+            except KimiQuantError as e:  # names its tensor (run_gptq_job)
+                raise job_failure(next((j for j in group if j.name in str(e)), group[0]), e) from e
+            except Exception as e:  # noqa: BLE001 - one line naming the tensors
+                raise job_failure(_named(group), e) from e
+            pending.popleft()
+            fill()
+            yield from outs
+
+    def pids(self) -> list[int]:
+        """The worker processes now running (none before the first job)."""
+        procs = getattr(self._pool, "_processes", None) or {}
+        return sorted(procs)
+
+    def close(self, abort: bool = False) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if abort:
+            for p in list((getattr(pool, "_processes", None) or {}).values()):
+                p.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+

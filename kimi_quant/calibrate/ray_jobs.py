@@ -1,0 +1,94 @@
+"""GPTQ jobs (``jobs.GPTQJob``) as Ray tasks: ``convert --calibrate --executor ray``.
+
+Unlike the data-free path's tasks, these carry their data: the weight and the Hessian go through Ray's
+object store (Linears sharing a Hessian are one task: it is sent and factored once), so workers need no
+shared filesystem.
+A task whose worker or node dies is retried by Ray (``MAX_RETRIES``); a task that raises is deterministic
+and stops the run with one line naming the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+
+import numpy as np
+
+from .. import __version__
+from ..errors import KimiQuantError
+from ..executor.ray_executor import MAX_RETRIES, SYSTEM_ERRORS, connect, one_line
+from .jobs import JOBS_PER_WORKER, GPTQJob, job_failure, run_gptq_jobs, shared_hessian_groups
+
+import ray  # noqa: E402 - after ray_executor, which turns a missing Ray into one line
+
+
+@ray.remote(num_cpus=1, max_retries=MAX_RETRIES)
+def _gptq_task(jobs: list[GPTQJob], weights: list[np.ndarray], hessian: np.ndarray, version: str) -> list[dict]:
+    import kimi_quant
+
+    if kimi_quant.__version__ != version:
+        raise KimiQuantError(f"a Ray node runs kimi-quant {kimi_quant.__version__} but the driver runs {version}; "
+                             "install the same version on every node")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return run_gptq_jobs([replace(job, weight=w, hessian=hessian) for job, w in zip(jobs, weights)])
+
+
+class RayRunner:
+    """Jobs as Ray tasks, ``workers`` at once (default: the cluster's CPUs), results in job order; consecutive
+    jobs sharing a Hessian are one task (the Hessian sent and factored once)."""
+
+    def __init__(self, workers: int | None = None, address: str | None = None, **_ignored):
+        self._owns_ray = connect(address, workers, object_store=None)
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        self.workers = max(1, int(workers) if workers else cpus)
+
+    def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
+        groups = shared_hessian_groups(jobs)
+        pending: deque[tuple[list[GPTQJob], object]] = deque()
+        window = JOBS_PER_WORKER * self.workers
+
+        def fill() -> None:
+            while len(pending) < window:
+                group = next(groups, None)
+                if group is None:
+                    return
+                bare = [replace(j, weight=np.empty(0, np.float32), hessian=np.empty(0, np.float64)) for j in group]
+                ref = _gptq_task.remote(bare, [j.weight for j in group], group[0].hessian, __version__)
+                pending.append((group, ref))
+
+        try:
+            fill()
+            while pending:
+                group, ref = pending[0]
+                try:
+                    outs = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None) or e
+                    job = next((j for j in group if j.name in str(cause)), group[0])
+                    raise job_failure(job, cause) from cause
+                except SYSTEM_ERRORS as e:
+                    names = " / ".join(j.name for j in group)
+                    raise KimiQuantError(f"GPTQ of {names} failed after {MAX_RETRIES + 1} attempts: "
+                                         f"{type(e).__name__}: {one_line(e)}") from e
+                pending.popleft()
+                fill()
+                yield from outs
+        finally:
+            for _, ref in pending:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001 - already finished or its node is gone
+                    pass
+
+    def close(self, abort: bool = False) -> None:
+        if self._owns_ray:  # stops a cluster we started; for a joined one this only disconnects
+            self._owns_ray = False
+            ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        self.close(abort=kind is not None)

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""How much faster is ``convert --calibrate`` with more local workers? (issue 30: 2 workers >= 1.7x 1.)
+
+Writes the bench checkpoint (``synth --preset bench``: real expert shapes [3072, 3584], ``--experts`` routed
+experts per layer, 3 layers), then converts it calibrated once per ``--workers`` count, in this one run, each
+conversion a fresh ``kimi-quant convert`` process, and prints the wall time per count and the speed-up
+over the first. The outputs must be byte-identical: the script checks it. The load average is printed
+before and after: on a shared machine a ratio measured at a load above the core count says little.
+
+    python scripts/bench_calibrate.py [--experts 32] [--workers 1,2] [--tokens 512] [--target a3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kimi_quant.synth import synth  # noqa: E402
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _digest(out: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(out.glob("quant_model_weights-*.safetensors")):
+        h.update(p.name.encode())
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer [32]")
+    ap.add_argument("--workers", default="1,2", help="comma-separated worker counts to compare [1,2]")
+    ap.add_argument("--tokens", type=int, default=512, help="calibration tokens [512]")
+    ap.add_argument("--target", default="a3")
+    ap.add_argument("--dir", type=Path, default=None, help="where the checkpoint and outputs go [a temp dir]")
+    args = ap.parse_args()
+    counts = [int(w) for w in args.workers.split(",")]
+    base = args.dir or Path(tempfile.mkdtemp(prefix="kq-bench-cal-"))
+    src = base / f"bench-{args.experts}"
+    if not (src / "config.json").exists():
+        synth("bench", src, num_experts=args.experts)
+    print(f"checkpoint {src} ({sum(p.stat().st_size for p in src.iterdir()) / 1e9:.2f} GB, {args.experts} experts), "
+          f"{args.tokens} tokens, target {args.target}, {os.cpu_count()} cores")
+    print(f"load before: {_load()}")
+    rows = []
+    for w in counts:
+        out = base / f"out-w{w}"
+        cmd = [sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", args.target, "-o", str(out),
+               "--calibrate", "--tokens", str(args.tokens), "--workers", str(w), "--overwrite", "-q"]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if r.returncode:
+            print(r.stderr, file=sys.stderr)
+            return r.returncode
+        rows.append((w, wall, _digest(out)))
+        print(f"workers {w}: wall {wall:.1f} s (load now {_load()})", flush=True)
+    print(f"load after: {_load()}")
+    w0, t0 = rows[0][0], rows[0][1]
+    for w, wall, _ in rows[1:]:
+        print(f"speed-up {w} workers over {w0}: {t0 / wall:.2f}x")
+    same = len({d for *_, d in rows}) == 1
+    print("outputs byte-identical: " + ("yes" if same else "NO"))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

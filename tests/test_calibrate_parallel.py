@@ -1,0 +1,168 @@
+"""convert --calibrate with the GPTQ jobs of a layer spread over runners (calibrate/jobs.py, ray_jobs.py):
+the same bytes in one process, in 2 local worker processes and as Ray tasks on 2 workers; a killed worker's
+jobs are redone to the same bytes; an interrupted parallel run resumes to the same bytes; a job that fails
+stops the run with one line naming its tensor."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kimi_quant.calibrate import CalibConfig
+from kimi_quant.calibrate import jobs as calib_jobs
+from kimi_quant.calibrate import run as calib_run
+from kimi_quant.convert import ConvertOptions, convert
+from kimi_quant.errors import BadCheckpoint
+from kimi_quant.quant.gptq import GPTQConfig
+from kimi_quant.synth import synth
+from kimi_quant.verify import verify_output
+
+from conftest import snapshot
+
+torch.set_num_threads(1)
+TOKENS = 1024  # 2 windows of 512: most tiny experts see >= 32 tokens; a run takes seconds
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return synth("tiny", tmp_path_factory.mktemp("parsrc") / "tiny-bf16")
+
+
+def _convert(source, out, workers: int, executor: str = "local"):
+    return convert(str(source), ConvertOptions(target="a3", output=Path(out), quiet=True, workers=workers,
+                                               executor=executor, calibrate=CalibConfig(tokens=TOKENS)))
+
+
+@pytest.fixture(scope="module")
+def serial(source, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serial") / "a3"
+    res = _convert(source, out, workers=1)
+    assert res.calibration["stats"]["gptq_tensors"] > 200  # attention, MLP and experts all went through GPTQ
+    return out
+
+
+def test_two_local_workers_write_the_same_bytes(serial, source, tmp_path, monkeypatch):
+    made = []
+    real = calib_run.make_runner
+
+    def make_runner(*a, **k):
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(calib_run, "make_runner", make_runner)
+    out = tmp_path / "two"
+    _convert(source, out, workers=2)
+    assert isinstance(made[0], calib_jobs.ProcessRunner) and made[0].workers == 2
+    assert snapshot(out) == snapshot(serial)
+    verify_output(out)
+
+
+class _KillOne(calib_jobs.ProcessRunner):
+    """Kills one of its workers (SIGKILL, as the OOM killer would) once, in the middle of a layer's jobs."""
+
+    killed = 0
+
+    def run(self, jobs):
+        for k, out in enumerate(super().run(jobs)):
+            if k == 3 and not _KillOne.killed and self.pids():
+                os.kill(self.pids()[0], signal.SIGKILL)
+                _KillOne.killed += 1
+            yield out
+
+
+def test_a_killed_worker_has_its_jobs_redone_to_the_same_bytes(serial, source, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(calib_run, "make_runner", lambda *a, **k: _KillOne(2))
+    out = tmp_path / "killed"
+    with caplog.at_level(logging.WARNING):
+        _convert(source, out, workers=2)
+    assert _KillOne.killed == 1
+    said = [r.getMessage() for r in caplog.records if "GPTQ worker process died" in r.getMessage()]
+    assert len(said) == 1 and "redoing" in said[0], said
+    assert snapshot(out) == snapshot(serial)
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def test_interrupted_parallel_run_resumes_to_the_same_bytes(serial, source, tmp_path, monkeypatch):
+    out = tmp_path / "resumed"
+    real_put, n = calib_run.UnitWriter.put, {"puts": 0}
+
+    def put(self, t, quantized=None):
+        n["puts"] += 1
+        if n["puts"] == 150:  # inside layer 2
+            raise _Interrupt()
+        return real_put(self, t, quantized)
+
+    monkeypatch.setattr(calib_run.UnitWriter, "put", put)
+    with pytest.raises(_Interrupt):
+        _convert(source, out, workers=2)
+    assert (out / calib_run.STATE_FILE).exists()
+    assert not (out / "quant_model_description.json").exists()
+    monkeypatch.setattr(calib_run.UnitWriter, "put", real_put)
+    _convert(source, out, workers=2)
+    assert snapshot(out) == snapshot(serial)
+
+
+def _job(name: str, weight: np.ndarray) -> calib_jobs.GPTQJob:
+    k = weight.shape[1]
+    return calib_jobs.GPTQJob(name, "expert", "W8A8_DYNAMIC", 0, False, None, weight, np.eye(k), GPTQConfig())
+
+
+@pytest.mark.parametrize("runner", [calib_jobs.SerialRunner, lambda: calib_jobs.ProcessRunner(2)],
+                         ids=["serial", "processes"])
+def test_a_failing_job_stops_the_run_with_one_line_naming_its_tensor(runner):
+    rng = np.random.default_rng(0)
+    good = rng.standard_normal((8, 64)).astype(np.float32)
+    bad = good.copy()
+    bad[3, 5] = np.nan
+    with runner() as r:
+        results = r.run([_job("layers.0.good", good), _job("layers.0.bad", bad), _job("layers.0.after", good)])
+        first = next(results)
+        assert first and all(isinstance(a, np.ndarray) for a in first.values())  # the good job's outputs
+        with pytest.raises(BadCheckpoint) as e:
+            next(results)
+    msg = str(e.value)
+    assert "layers.0.bad" in msg and "\n" not in msg
+
+
+# -- Ray ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'kimi-quant[ray]')")
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    if ray.is_initialized():
+        pytest.skip("a Ray session is already open in this process")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = old
+
+
+def test_ray_with_two_workers_writes_the_same_bytes(cluster, serial, source, tmp_path):
+    out = tmp_path / "ray"
+    _convert(source, out, workers=2, executor="ray")
+    assert snapshot(out) == snapshot(serial)
+    assert cluster.is_initialized()  # a cluster it joined is left running
+
+
+def test_ray_failing_job_is_one_line(cluster):
+    from kimi_quant.calibrate.ray_jobs import RayRunner
+
+    bad = np.ones((8, 64), np.float32)
+    bad[0, 0] = np.inf
+    with RayRunner(2) as r:
+        with pytest.raises(BadCheckpoint) as e:
+            list(r.run([_job("layers.1.w2", bad)]))
+    assert "layers.1.w2" in str(e.value) and "\n" not in str(e.value)
