@@ -42,10 +42,16 @@ def test_float32_hessian_above_the_limit_is_summed_in_place_and_handed_over_with
         c("a", torch.zeros(2, 8))
     c.drop(["a", "b"])
     assert c.held_bytes == 0
-    small = hmod.HessianCollector()  # at or below the limit: float64, a new array per hand-out (as before)
-    small.want(["s"])
-    small("s", torch.ones(2, 4))
-    assert small.hessian("s").dtype == np.float64 and not np.shares_memory(small.hessian("s"), small.hessian("s"))
+    small = hmod.HessianCollector()  # at or below the limit: float64, divided into a new array, which the
+    small.want(["s", "t"])           # Linears sharing that input are handed together; the sum stays as it was
+    x = torch.ones(2, 4)
+    small("s", x)
+    small("t", x)  # the same input object: one sum
+    hs = small.hessian("s")
+    assert hs.dtype == np.float64 and np.shares_memory(hs, small.hessian("t"))
+    small("s", 3 * torch.ones(2, 4))  # a float64 sum may still grow: its hand-out was a copy
+    np.testing.assert_array_equal(hs, np.ones((4, 4)))
+    np.testing.assert_array_equal(small.hessian("s"), np.full((4, 4), 5.0))
 
 
 @pytest.mark.parametrize("K,panel", [(1, 4), (37, 8), (300, 64), (600, 1024)])

@@ -56,6 +56,8 @@ class HessianCollector:
             self._n[key] = 0
         if key in self._final:
             raise RuntimeError(f"{name}: inputs observed after its Hessian was handed out")
+        if self._last is not None and self._last[0] == key:
+            self._last = None  # the float64 hand-out was a copy: the next one sees the new inputs
         if self._sum[key].dtype == torch.float64:
             self._sum[key] += (xf.t() @ xf).to(torch.float64)
         else:
