@@ -89,6 +89,24 @@ def shared_hessian_groups(jobs: Iterable[GPTQJob]) -> Iterator[list[GPTQJob]]:
         yield group
 
 
+
+class SubmitWindow:
+    """The groups of ``jobs`` (``shared_hessian_groups``) handed to ``submit`` in job order, at most ``size``
+    outstanding: ``pending`` holds ``[group, handle]`` entries, the oldest first; ``fill`` tops it up."""
+
+    def __init__(self, jobs: Iterable[GPTQJob], submit, size: int):
+        self._groups = shared_hessian_groups(jobs)
+        self._submit = submit
+        self._size = size
+        self.pending: deque[list] = deque()
+
+    def fill(self) -> None:
+        while len(self.pending) < self._size:
+            group = next(self._groups, None)
+            if group is None:
+                return
+            self.pending.append([group, self._submit(group)])
+
 def job_failure(job: GPTQJob, exc: BaseException) -> KimiQuantError:
     """The one line a failed job stops the run with (a KimiQuantError keeps its class: its exit code)."""
     text = str(exc).strip().splitlines()
@@ -184,18 +202,9 @@ class ProcessRunner(SerialRunner):
             entry[1] = self._submit(entry[0])
 
     def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
-        groups = shared_hessian_groups(jobs)
-        pending: deque[list] = deque()  # [group, future], in job order
-        window = JOBS_PER_WORKER * self.workers
-
-        def fill() -> None:
-            while len(pending) < window:
-                group = next(groups, None)
-                if group is None:
-                    return
-                pending.append([group, self._submit(group)])
-
-        fill()
+        window = SubmitWindow(jobs, self._submit, JOBS_PER_WORKER * self.workers)
+        pending = window.pending  # [group, future]
+        window.fill()
         while pending:
             group, fut = pending[0]
             try:
@@ -208,7 +217,7 @@ class ProcessRunner(SerialRunner):
             except Exception as e:  # noqa: BLE001 - one line naming the tensors
                 raise job_failure(_named(group), e) from e
             pending.popleft()
-            fill()
+            window.fill()
             yield from outs
 
     def pids(self) -> list[int]:

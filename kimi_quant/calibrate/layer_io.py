@@ -23,18 +23,8 @@ class SourceWeights(WeightLoader):
     """The validator's weight loader over any Source (a hub source stages the shards a layer needs)."""
 
     def __init__(self, source, spec):
-        self.root = Path(source.root or ".")
-        self.spec = spec
-        self._source = source
-        self._readers = {}
-        self._expected = spec.expected_tensors(with_vision=False)
+        super().__init__(source.root or ".", files=source, spec=spec)
         self.weight_map = source.weight_map()
-
-    def reader(self, file: str) -> SafetensorsReader:
-        r = self._readers.get(file)
-        if r is None:
-            r = self._readers[file] = SafetensorsReader(*self._source.fetch_vetted(file))
-        return r
 
     def drop(self, file: str) -> None:
         r = self._readers.pop(file, None)

@@ -10,7 +10,6 @@ and stops the run with one line naming the tensor.
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
@@ -19,7 +18,7 @@ import numpy as np
 from .. import __version__
 from ..errors import KimiQuantError
 from ..executor.ray_executor import MAX_RETRIES, SYSTEM_ERRORS, connect, one_line
-from .jobs import JOBS_PER_WORKER, GPTQJob, job_failure, run_gptq_jobs, shared_hessian_groups
+from .jobs import JOBS_PER_WORKER, GPTQJob, SubmitWindow, job_failure, run_gptq_jobs
 
 import ray  # noqa: E402 - after ray_executor, which turns a missing Ray into one line
 
@@ -45,21 +44,14 @@ class RayRunner:
         self.workers = max(1, int(workers) if workers else cpus)
 
     def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
-        groups = shared_hessian_groups(jobs)
-        pending: deque[tuple[list[GPTQJob], object]] = deque()
-        window = JOBS_PER_WORKER * self.workers
+        def submit(group: list[GPTQJob]):  # the arrays travel as their own objects, the Hessian once
+            bare = [replace(j, weight=np.empty(0, np.float32), hessian=np.empty(0, np.float64)) for j in group]
+            return _gptq_task.remote(bare, [j.weight for j in group], group[0].hessian, __version__)
 
-        def fill() -> None:
-            while len(pending) < window:
-                group = next(groups, None)
-                if group is None:
-                    return
-                bare = [replace(j, weight=np.empty(0, np.float32), hessian=np.empty(0, np.float64)) for j in group]
-                ref = _gptq_task.remote(bare, [j.weight for j in group], group[0].hessian, __version__)
-                pending.append((group, ref))
-
+        window = SubmitWindow(jobs, submit, JOBS_PER_WORKER * self.workers)
+        pending = window.pending  # [group, object ref]
         try:
-            fill()
+            window.fill()
             while pending:
                 group, ref = pending[0]
                 try:
@@ -73,7 +65,7 @@ class RayRunner:
                     raise KimiQuantError(f"GPTQ of {names} failed after {MAX_RETRIES + 1} attempts: "
                                          f"{type(e).__name__}: {one_line(e)}") from e
                 pending.popleft()
-                fill()
+                window.fill()
                 yield from outs
         finally:
             for _, ref in pending:

@@ -85,13 +85,19 @@ class WeightLoader:
     spec: ModelSpec
     weight_map: dict[str, str]
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, files=None, spec: ModelSpec | None = None):
+        """``root``: a local checkpoint directory, whose spec is read and checked here; or, with ``files``
+        (a Source: where the shards come from) and its ``spec``, the loader of any source."""
         self.root = Path(root)
-        if not self.root.is_dir():
-            raise KimiQuantError(f"{self.root}: not a directory")
-        self._files = LocalSource(self.root)
-        self.spec = load_model_spec(self.root)
-        check_supported(self.spec.text)  # before any tensor is read: a setting the forward would ignore
+        if files is None:
+            if not self.root.is_dir():
+                raise KimiQuantError(f"{self.root}: not a directory")
+            files = LocalSource(self.root)
+        self._files = files
+        if spec is None:
+            spec = load_model_spec(self.root)
+            check_supported(spec.text)  # before any tensor is read: a setting the forward would ignore
+        self.spec = spec
         self._readers: dict[str, SafetensorsReader] = {}
         self._expected = self.spec.expected_tensors(with_vision=False)
 
