@@ -446,7 +446,6 @@ def mxfp8_ocp_quantize(w):
     return mx_ocp_quantize(w, "e4m3")
 
 
-
 def on_mxfp4_grid(w: np.ndarray, first_rows: int = 8) -> bool:
     """Whether every 32-block along K of float32 ``w`` [N, K] is E2M1 values times one power of two (a
     weight decoded from MXFP4).  Such a block is one on the finest exponent that holds its largest value,
