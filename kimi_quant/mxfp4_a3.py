@@ -64,10 +64,16 @@ def rule_for(scheme: str, group_size: int, pow2_scale: bool, calibrated: bool) -
     return None
 
 
+#: what becomes of the experts a calibrated int4 run cannot give GPTQ from their own tokens (calibrate/run.py)
+UNDER_ROUTED = ("an expert the calibration text routes fewer than --min-expert-tokens tokens to gets GPTQ from every "
+                "calibration token (data-free per-channel int4 is the refused rule; the fused MoE layer takes one type)")
+
+
 def experts_line(scheme: str, group_size: int, pow2_scale: bool, calibrated: bool) -> str:
     """The one line ``plan``, ``convert`` and the model card print for a3 from MXFP4 experts."""
     rule = rule_for(scheme, group_size, pow2_scale, calibrated)
     if rule is None:
         how = f"{scheme}" + (f" per group of {group_size}" if group_size else "") + (", calibrated" if calibrated else "")
         return f"a3 from MXFP4 experts: {how} (not one of the rules measured in docs/quality.md)"
-    return f"a3 from MXFP4 experts: {rule.name}: {rule.cost()}"
+    under = f"; {UNDER_ROUTED}" if rule is INT4_CALIBRATED else ""
+    return f"a3 from MXFP4 experts: {rule.name}: {rule.cost()}{under}"

@@ -161,6 +161,7 @@ def test_never_routed_expert_is_a_stated_fallback(source, tmp_path):
     save_file(tensors, shard, metadata={"format": "pt"})
     cal = _convert(src, tmp_path / "out", min_expert_tokens=1)
     assert cal["stats"]["never_routed_experts"] == 1
+    assert cal["stats"]["all_token_experts"] == 0  # BF16 weights keep the data-free rule (and their bytes)
     from kimi_quant.layout.model_card import describe_calibration
 
     assert "1 never routed" in describe_calibration(cal)

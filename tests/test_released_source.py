@@ -368,3 +368,56 @@ def test_calibrated_a3_from_the_release_equals_it_from_the_decoding(released, de
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_calibrated_a3_never_routed_mxfp4_experts_get_gptq_from_every_token(bf16, tmp_path, monkeypatch):
+    """Released layout, two experts of one layer that the router can never choose: the plan made every expert of
+    the layer int4 per channel (one type per fused MoE layer), whose data-free rule breaks MXFP4 values, so they
+    get GPTQ (power-of-two candidates) on the inputs every calibration token gives them, and the stats say so."""
+    from kimi_quant.calibrate import CalibConfig
+    from kimi_quant.calibrate import jobs as calib_jobs
+    from kimi_quant.calibrate import run as calib_run
+    from kimi_quant.convert import ConvertOptions, convert
+    from kimi_quant.layout.model_card import describe_calibration
+    from kimi_quant.quant import get_codec
+    from kimi_quant.runtime.weights import QuantizedLoader, SourceLoader
+
+    layer, never = 2, (7, 9)
+    bias = f"language_model.model.layers.{layer}.block_sparse_moe.gate.e_score_correction_bias"
+
+    def unroutable(shards, config):
+        for tensors in shards.values():
+            if bias in tensors:
+                tensors[bias] = tensors[bias].clone()
+                tensors[bias][list(never)] = -1e4  # never in a top-k
+    src = write_released(bf16, tmp_path / "src", unroutable)
+    jobs = {}
+
+    def recorded(*args):
+        job = jobs[args[0]] = calib_jobs.GPTQJob(*args)
+        return job
+    monkeypatch.setattr(calib_run, "GPTQJob", recorded)
+    out = tmp_path / "out"
+    res = convert(str(src), ConvertOptions(target="a3", output=out, quiet=True, workers=1,
+                                           calibrate=CalibConfig(tokens=512)))
+    s = res.calibration["stats"]
+    assert s["never_routed_experts"] == 2 and s["all_token_experts"] >= 2
+    assert s["all_token_experts"] == s["never_routed_experts"] + s["fallback_experts"]
+    assert f"{s['all_token_experts']} of them, holding MXFP4 values, were calibrated on every" \
+        in describe_calibration(res.calibration)
+    E = f"language_model.model.layers.{layer}.block_sparse_moe.experts."
+    with SourceLoader(src) as sl, QuantizedLoader(out) as ql:
+        for e in never:
+            for w in ("w1", "w2", "w3"):
+                name = f"{E}{e}.{w}.weight"
+                job = jobs[name]  # GPTQ, not the data-free rule, and the candidates for MXFP4 values
+                assert job.scheme == "W4A8_DYNAMIC" and not job.group_size and job.config.pow2_scales
+                written = ql.tensor(name)[0]
+                assert torch.equal(written, torch.from_numpy(get_codec("W4A8_DYNAMIC").dequantize(
+                    calib_jobs.run_gptq_job(job))).to(written.dtype))
+                data_free = get_codec("W4A8_DYNAMIC").quantize(sl.tensor(name)[0].numpy(), job.matmul)
+                assert not torch.equal(written, torch.from_numpy(get_codec("W4A8_DYNAMIC").dequantize(data_free)))
+    # the same tokens reach both experts: w1 (and w3) see one input statistic, w2 each its own
+    assert np.array_equal(jobs[f"{E}7.w1.weight"].hessian, jobs[f"{E}9.w1.weight"].hessian)
+    assert jobs[f"{E}7.w1.weight"].hessian is jobs[f"{E}7.w3.weight"].hessian
+    assert not np.array_equal(jobs[f"{E}7.w2.weight"].hessian, jobs[f"{E}9.w2.weight"].hessian)

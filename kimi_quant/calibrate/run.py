@@ -152,7 +152,7 @@ class _Quantizer:
         self.gptq = gptq_config(cfg)
         self.runner = runner
         self.stats = {"gptq_tensors": 0, "data_free_tensors": 0, "routed_experts": 0, "fallback_experts": 0,
-                      "never_routed_experts": 0}
+                      "never_routed_experts": 0, "all_token_experts": 0}
 
     def write(self, writer: UnitWriter, ts: list[TensorPlan], hessian_of: dict, role: dict[str, str]) -> dict:
         """Write ``ts`` in plan order; ``hessian_of[name]``: a callable giving its Hessian (absent: the data-free
@@ -406,9 +406,10 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
                 deq[rel[t.name]] = dequantized(t, outs[t.name])
         coll.drop(rel[t.name] for t in ts)
 
-    def count_experts(batch: list[int]) -> dict[str, int]:
-        """The run's counts of routed experts that saw too few tokens; the token floor of their tensors."""
-        floor = {}
+    def count_experts(batch: list[int]) -> tuple[dict[str, int], list[int]]:
+        """The run's counts of routed experts that saw too few tokens; the token floor of their tensors, and
+        those of them whose weights are MXFP4 values (they are calibrated on every token instead)."""
+        floor, on_all = {}, []
         for e in batch:
             names = quantized(expert_tensors[e])
             if names:
@@ -418,8 +419,10 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
                     quant.stats["never_routed_experts"] += 1
                 elif n < cfg.min_expert_tokens:
                     quant.stats["fallback_experts"] += 1
+                if n < cfg.min_expert_tokens and _mxfp4_expert(expert_tensors[e], w_src, rel):
+                    on_all.append(e)
             floor.update((t.name, cfg.min_expert_tokens) for t in expert_tensors[e])
-        return floor
+        return floor, on_all
 
     # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
     coll.want(quantized(by_stage[ATTENTION]))
@@ -443,7 +446,17 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
             coll.want(n for e in batch for n in quantized(expert_tensors[e]))
             with fw.observe_linear_inputs(coll):
                 fw.moe_many(tcfg, w_src, h2ns, experts=set(batch))
-        floor = count_experts(batch)
+        floor, on_all = count_experts(batch)
+        if on_all:
+            # the data-free int4 rule cannot hold MXFP4 values and the plan fixed int4 for the whole fused MoE
+            # layer: such an expert gets GPTQ from its inputs on every token, as if the router had chosen it
+            names = [n for e in on_all for n in quantized(expert_tensors[e])]
+            coll.drop(names)
+            coll.want(names)
+            with fw.observe_linear_inputs(coll):
+                fw.experts_on_all_tokens(tcfg, w_src, h2ns, on_all)
+            floor.update((t.name, 0) for e in on_all for t in expert_tensors[e])
+            quant.stats["all_token_experts"] += len(on_all)
         ts = [t for e in batch for t in expert_tensors[e]]
         emit((by_stage[MLP] if j == 0 else []) + ts, floor)
     if writer.next_tensor() is not None:
@@ -456,6 +469,15 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
         return fw.layers_mlp(tcfg, i, Overlay(w_src, deq, readback), parts, act)
     finally:
         readback.close()
+
+
+def _mxfp4_expert(ts: list[TensorPlan], w_src, rel: dict[str, str]) -> bool:
+    """Whether every quantized tensor of a routed expert holds MXFP4 values (a packed source, or its BF16
+    decoding: the same bytes either way) that the plan makes per-channel int4 (the rule that breaks them
+    without data; per-group int4 and int8 keep their data-free rules)."""
+    ts = [t for t in ts if t.scheme != FLOAT and not t.repack]
+    return bool(ts) and all(t.scheme == "W4A8_DYNAMIC" and not t.group_size and (t.packed or on_mxfp4_grid(w_src[rel[t.name]].numpy()))
+                            for t in ts)
 
 
 def _globals(tcfg, weights: SourceWeights, states: list, writer: UnitWriter, quant: _Quantizer, spec) -> None:

@@ -268,7 +268,12 @@ def describe_calibration(info: dict | None) -> str:
             f"(act_order {info.get('act_order') if info.get('act_order') is not None else 'default'}, "
             f"damp {info.get('damp') if info.get('damp') is not None else 'default'}); "
             f"{s.get('gptq_tensors', 0)} tensors calibrated, {s.get('data_free_tensors', 0)} data-free")
-    if s.get("routed_experts"):
+    on_all = s.get("all_token_experts", 0)
+    if s.get("routed_experts") and on_all:
+        line += (f"; {fallback} of {s['routed_experts']} routed experts saw fewer than {info.get('min_expert_tokens')} "
+                 f"tokens ({s.get('never_routed_experts', 0)} never routed): {on_all} of them, holding MXFP4 values, "
+                 f"were calibrated on every calibration token, {fallback - on_all} fell back to the data-free rule")
+    elif s.get("routed_experts"):
         line += (f"; {fallback} of {s['routed_experts']} routed experts fell back to the data-free rule "
                  f"({s.get('never_routed_experts', 0)} never routed, {s.get('fallback_experts', 0)} with fewer than "
                  f"{info.get('min_expert_tokens')} tokens)")

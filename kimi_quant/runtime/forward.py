@@ -421,6 +421,26 @@ def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None,
             for y, xf, shape in zip(ys, xfs, shapes)]
 
 
+def experts_on_all_tokens(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], experts: Collection[int]) -> None:
+    """Run routed experts ``experts`` on every token of the MoE inputs ``xs``, whatever the router chose,
+    for ``observe_linear_inputs`` only (the outputs are dropped): the input statistics of an expert the
+    calibration text seldom routes to."""
+    lin = _Lin(w, None)
+    M = "block_sparse_moe."
+    latent = bool(cfg.routed_expert_hidden_size)
+    zs = []
+    for x in xs:
+        xf = x.reshape(-1, x.shape[-1])
+        zs.append(lin(xf, M + "routed_expert_down_proj.weight") if latent else xf)
+    for e in sorted(experts):
+        E = f"{M}experts.{e}."
+        W1, W3, W2 = w[E + "w1.weight"], w[E + "w3.weight"], w[E + "w2.weight"]
+        for z in zs:
+            he = _glu(cfg, _linear(z, W1, None, E + "w1.weight"), _linear(z, W3, None, E + "w3.weight"))
+            _linear(he, W2, None, E + "w2.weight")
+        del W1, W3, W2
+
+
 # ------------------------------------------------------------------------------------------------
 # block attention residuals and the layer-streamed model
 # ------------------------------------------------------------------------------------------------
