@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     from kimi_quant.quant import get_codec
     from kimi_quant.quant import numerics as nm
-    from kimi_quant.quant.gptq import GPTQConfig, gptq_quantize, weighted_error
+    from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, gptq_quantize, weighted_error
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=3072)
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         return time.process_time() - t
 
     configs = (("clip ratios only", GPTQConfig()), ("+ power-of-two, screened", GPTQConfig(pow2_scales=True)),
-               ("+ power-of-two, all judged", GPTQConfig(pow2_scales=True, clip_finalists=8)))
+               ("+ power-of-two, all judged", GPTQConfig(pow2_scales=True, clip_finalists=8)),
+               ("+ clips to 0.6 (MXFP4 weights)", GPTQConfig(pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS)))
     for name, cfg in configs:
         best = None
         for _ in range(2):
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
             g = time.process_time() - t
             best = (g, g / m) if best is None or g < best[0] else best
         err = weighted_error(w, codec.dequantize(out), H).sum()
-        print(f"{name:28s} {best[0]:6.2f} CPU s  {best[1]:5.2f} x matmul  input-weighted error {err:.4e}")
+        print(f"{name:32s} {best[0]:6.2f} CPU s  {best[1]:5.2f} x matmul  input-weighted error {err:.4e}")
     t = time.process_time()
     on = nm.on_mxfp4_grid(w)
     print(f"on_mxfp4_grid: {on} in {time.process_time() - t:.3f} CPU s")

@@ -68,7 +68,7 @@ if str(ROOT) not in sys.path:
 from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from kimi_quant.quant import get_codec  # noqa: E402
 from kimi_quant.quant import numerics as nm  # noqa: E402
-from kimi_quant.quant.gptq import GPTQConfig, gptq_quantize_bf16  # noqa: E402
+from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, gptq_quantize_bf16  # noqa: E402
 from kimi_quant.runtime.text import load_texts  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,6 +120,7 @@ class Scheme:
     group_where_divides: bool = False  # per channel on tensors whose K the group does not divide
     pow2_scale: bool = False  # W8A8_DYNAMIC with power-of-two row scales (codec.with_pow2_scale())
     pow2_candidates: bool = False  # calibrated int4 per channel: GPTQConfig.pow2_scales (power-of-two scale candidates)
+    mxfp4_clips: bool = False  # with pow2_candidates: the clip ratios down to 0.6 (gptq.MXFP4_CLIP_RATIOS)
 
 
 SCHEMES = [
@@ -151,6 +152,8 @@ SCHEMES = [
     Scheme("W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC", calibrated=True),
     Scheme("W4A8_DYNAMIC+gptq/pow2", "W4A8_DYNAMIC, calibrated (GPTQ), power-of-two scale candidates", "int8",
            codec="W4A8_DYNAMIC", calibrated=True, pow2_candidates=True),
+    Scheme("W4A8_DYNAMIC+gptq/pow2x", "W4A8_DYNAMIC, calibrated (GPTQ), power-of-two candidates, clips to 0.6",
+           "int8", codec="W4A8_DYNAMIC", calibrated=True, pow2_candidates=True, mxfp4_clips=True),
     Scheme("W4A8_DYNAMIC/g64+gptq", "W4A8_DYNAMIC --group-size 64, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC",
            calibrated=True, group=64),
     Scheme("W4A8_MXFP+gptq", "W4A8_MXFP, calibrated (GPTQ)", "mxfp8", codec="W4A8_MXFP", calibrated=True),
@@ -226,6 +229,8 @@ def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq:
     if scheme.calibrated and hessian is not None:
         if scheme.pow2_candidates:
             gptq = dataclasses.replace(gptq or GPTQConfig(), pow2_scales=True)
+        if scheme.mxfp4_clips:
+            gptq = dataclasses.replace(gptq, clip_ratios=MXFP4_CLIP_RATIOS)
         out = gptq_quantize_bf16(codec, w_u16, role, hessian, gptq)
     else:
         out = codec.quantize_bf16(w_u16, role)

@@ -48,6 +48,9 @@ DEVICES = ("cpu", "cuda", "npu")
 #: Linears, float-model Hessians): codec scale only 1.523x float ppl, this grid judged before GPTQ 1.281x;
 #: full run (8 x 512 tokens each), with sequential Hessians as convert --calibrate: 1.569x -> 1.336x
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
+#: weights on the MXFP4 grid (with the power-of-two candidates): their rows' few largest values sit in the
+#: top 32-blocks, so deeper clips can pay (docs/quality.md); screened like the others, so a few O(N K m) scores
+MXFP4_CLIP_RATIOS = CLIP_RATIOS + (0.7, 0.65, 0.6)
 
 
 @dataclass(frozen=True)
