@@ -39,6 +39,8 @@ stdlib modules, ``PYDOC_MODULES``).
 
     python scripts/bench_quality.py                 # the table in docs/quality.md (~10-15 min on 2 cores)
     python scripts/bench_quality.py --mxfp4-source --texts heldout,pydoc --seq 256 --eval-windows 5 --calib-windows 8
+    python scripts/bench_quality.py --mxfp4-source --texts heldout,pydoc --seq 256 --calib-windows 32 \
+        --schemes W4A8_DYNAMIC+gptq/pow2,W4A8_DYNAMIC+gptq/pow2x   # convert's 8192 tokens, all windows (~10 min)
     python scripts/bench_quality.py --quick         # short run (tests/test_quality_real_model.py)
     python scripts/bench_quality.py --schemes float,W4A8_DYNAMIC --per-tensor out.csv
 
@@ -163,7 +165,7 @@ BY_NAME = {s.name: s for s in SCHEMES}
 #: the default rows of --mxfp4-source: every a3 rule from an MXFP4 model's exact values, and the 950dt repack
 MXFP4_SCHEMES = ("W4A8_MXFP", "W4A8_DYNAMIC", "int4_absmax", "int4_mse0.8", "int4_refit", "W4A8_DYNAMIC/g32",
                  "W4A8_DYNAMIC/g64", "W4A8_DYNAMIC/g128*", "W8A8_DYNAMIC", "W8A8_DYNAMIC/pow2",
-                 "W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC+gptq/pow2")
+                 "W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC+gptq/pow2", "W4A8_DYNAMIC+gptq/pow2x")
 
 
 def _int4_absmax(w: np.ndarray) -> np.ndarray:
