@@ -56,7 +56,7 @@ def test_float32_hessian_above_the_limit_is_summed_in_place_and_handed_over_with
 
 @pytest.mark.parametrize("K,panel", [(1, 4), (37, 8), (300, 64), (600, 1024)])
 def test_cholesky_in_place_matches_torch_and_reads_only_the_lower_triangle(K, panel):
-    from kimi_quant.quant.gptq import _cholesky_in_place
+    from kimi_quant.quant.gptq_factor import cholesky_in_place
 
     g = torch.Generator().manual_seed(K)
     X = torch.randn(K, K + 5, generator=g)
@@ -65,12 +65,12 @@ def test_cholesky_in_place_matches_torch_and_reads_only_the_lower_triangle(K, pa
     B = A.clone()
     iu = torch.triu_indices(K, K, 1)
     B[iu[0], iu[1]] = 7.0
-    assert _cholesky_in_place(B, panel) == 0
+    assert cholesky_in_place(B, panel) == 0
     assert float((B - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     assert bool((B[iu[0], iu[1]] == 0).all())
     bad = torch.eye(K)
     bad[K // 2, K // 2] = -1.0
-    assert _cholesky_in_place(bad, panel) == int(torch.linalg.cholesky_ex(torch.diag(torch.diagonal(bad))).info)
+    assert cholesky_in_place(bad, panel) == int(torch.linalg.cholesky_ex(torch.diag(torch.diagonal(bad))).info)
 
 
 def test_hessian_key_separates_stages():
