@@ -92,6 +92,7 @@ class BackgroundSha256:
         self._waiting_bytes = 0
         self._backlog = backlog
         self._closed = False
+        self._error: BaseException | None = None
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kq-sha256", daemon=True)
         self._thread.start()
@@ -104,7 +105,8 @@ class BackgroundSha256:
             while self._waiting_bytes >= self._backlog and not self._closed:
                 self._cv.wait()
             if self._closed:
-                raise RuntimeError("BackgroundSha256: update after the digest was taken or the hash stopped")
+                raise RuntimeError(f"sha256 thread: update after the digest was taken or the hash stopped"
+                                   f"{f' (it failed: {self._error!r})' if self._error else ''}")
             self._waiting.append(buf)
             self._waiting_bytes += buf.nbytes
             self._cv.notify_all()
@@ -119,6 +121,15 @@ class BackgroundSha256:
         fn()
 
     def _run(self) -> None:
+        try:
+            self._hash_until_closed()
+        except BaseException as e:  # noqa: BLE001 - raised by ``hexdigest``: never a digest of missing bytes
+            with self._cv:
+                self._error, self._closed = e, True
+                self._waiting.clear()
+                self._cv.notify_all()
+
+    def _hash_until_closed(self) -> None:
         while True:
             with self._cv:
                 while not self._waiting and not self._closed:
@@ -142,6 +153,8 @@ class BackgroundSha256:
             self._closed = True
             self._cv.notify_all()
         self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"sha256 thread failed: {self._error!r}") from self._error
         return self._sha.hexdigest()
 
     def stop(self) -> None:

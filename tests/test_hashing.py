@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from kimi_quant.hashing import BackgroundSha256
 
@@ -74,3 +75,16 @@ def test_stop_drops_what_waits_and_later_calls_run_at_once():
     assert calls == []
     h.after(lambda: calls.append("now"))
     assert calls == ["now"]
+
+
+def test_a_failure_on_the_hash_thread_is_raised_never_a_digest_of_missing_bytes():
+    h = BackgroundSha256()
+    h.update(b"abc")
+    h.after(lambda: 1 / 0)
+    deadline = time.monotonic() + 10
+    while h._thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        h.update(b"more")
+    with pytest.raises(RuntimeError, match="sha256 thread failed"):
+        h.hexdigest()
