@@ -8,12 +8,18 @@ over the first. The outputs must be byte-identical: the script checks it. The lo
 before and after: on a shared machine a ratio measured at a load above the core count says little.
 
     python scripts/bench_calibrate.py [--experts 32] [--workers 1,2] [--tokens 512] [--target a3] [--dir DIR]
+                                      [--phases] [--expert-tokens routed|all]
+
+``--phases``: also where each run's time went (calibrate/phases.py: the driver's exclusive wall seconds in its
+forward, Hessians, GPTQ (in the driver with 1 worker, else waiting for the workers), reads and writes;
+``before`` is the process's start, imports and plan until the conversion began).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -45,6 +51,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=512, help="calibration tokens [512]")
     ap.add_argument("--target", default="a3")
     ap.add_argument("--dir", type=Path, default=None, help="where the checkpoint and outputs go [a temp dir]")
+    ap.add_argument("--phases", action="store_true", help="print where each run's time went")
+    ap.add_argument("--expert-tokens", default="routed", choices=("routed", "all"))
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     base = args.dir or Path(tempfile.mkdtemp(prefix="kq-bench-cal-"))
@@ -58,15 +66,24 @@ def main() -> int:
     for w in counts:
         out = base / f"out-w{w}"
         cmd = [sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", args.target, "-o", str(out),
-               "--calibrate", "--tokens", str(args.tokens), "--workers", str(w), "--overwrite", "-q"]
+               "--calibrate", "--tokens", str(args.tokens), "--workers", str(w), "--overwrite", "-q",
+               "--expert-tokens", args.expert_tokens]
+        phases = base / f"phases-w{w}.json"
+        phases.unlink(missing_ok=True)
+        env = {**os.environ, "KIMI_QUANT_CALIB_PHASES": str(phases)} if args.phases else None
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t0
         if r.returncode:
             print(r.stderr, file=sys.stderr)
             return r.returncode
         rows.append((w, wall, _digest(out)))
         print(f"workers {w}: wall {wall:.1f} s (load now {_load()})", flush=True)
+        if args.phases and phases.exists():
+            ph = json.loads(phases.read_text())
+            ph["before"] = round(wall - ph.pop("total"), 1)
+            print("  phases (s): " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                              for k, v in sorted(ph.items())), flush=True)
     print(f"load after: {_load()}")
     w0, t0 = rows[0][0], rows[0][1]
     for w, wall, _ in rows[1:]:
