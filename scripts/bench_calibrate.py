@@ -21,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,7 @@ def main() -> int:
     rows = []
     for w in counts:
         out = base / f"out-w{w}"
+        shutil.rmtree(out, ignore_errors=True)  # a complete output would only be verified and kept
         cmd = [sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", args.target, "-o", str(out),
                "--calibrate", "--tokens", str(args.tokens), "--workers", str(w), "--overwrite", "-q",
                "--expert-tokens", args.expert_tokens]
