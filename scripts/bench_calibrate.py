@@ -102,8 +102,8 @@ def _run(args, src: Path, base: Path, w: int):
         print(r.stderr, file=sys.stderr)
         return r.returncode
     cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
-    print(f"workers {w}: wall {wall:.1f} s, CPU {cpu:.1f} s ({cpu / wall:.2f} cores busy on average; load now "
-          f"{_load()})", flush=True)
+    # the converting process's own CPU (its workers are the fork server's children: not counted here)
+    print(f"workers {w}: wall {wall:.1f} s, driver CPU {cpu:.1f} s (load now {_load()})", flush=True)
     if args.phases and phases.exists():
         ph = json.loads(phases.read_text())
         ph["before"] = round(wall - ph.pop("total"), 1)

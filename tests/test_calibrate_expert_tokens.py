@@ -102,6 +102,10 @@ def test_all_tokens_calibrates_every_expert_and_reports_the_tokens(source, tmp_p
     assert shards(tmp_path / "all") != shards(tmp_path / "routed")
     prov = json.loads((tmp_path / "all" / PROVENANCE).read_text())["calibration"]
     assert prov["stats"]["expert_tokens_min"] == TOKENS
+    from kimi_quant.layout.model_card import describe_calibration
+
+    assert f"min {TOKENS} / median {TOKENS} tokens (every token" in describe_calibration(prov)
+    assert f"median {routed['stats']['expert_tokens_median']} tokens" in describe_calibration(routed)
 
 
 def test_resume_with_another_expert_tokens_is_refused_naming_it(source, tmp_path):
