@@ -294,9 +294,9 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     layers = t.num_hidden_layers
     n_batches = -(-E // max(1, cfg.expert_batch)) if E else 0
     every = cfg.expert_tokens == "all"
-    for tp, N, K, layer, stage, _, _ in linears:
+    for tp, N, K, layer, stage, _, shares in linears:
         share = k / E if stage == EXPERTS else 1.0
-        if stage == EXPERTS and every:  # observed on every token, besides its routed output
+        if stage == EXPERTS and every and shares:  # w1 / w3 run on every token to give w2 its observed input
             fwd_flops += 2 * N * K * T
         if layer == GLOBAL:
             passes = 1.0
