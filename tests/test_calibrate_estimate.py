@@ -121,3 +121,25 @@ def test_plan_time_is_within_2x_of_a_measured_calibrated_convert(tmp_path):
     assert r.returncode == 0, r.stderr
     print(f"tiny a3 --calibrate {tokens} tokens: estimated {e['wall_seconds']:.1f} s, measured {measured:.1f} s")
     assert measured / 2 <= e["wall_seconds"] <= measured * 2
+
+
+def test_the_forward_is_estimated_on_the_threads_the_run_gives_it_and_all_expert_tokens_cost_more(tmp_path):
+    from kimi_quant.calibrate.run import forward_threads
+    from kimi_quant.convert import build_plan
+    from kimi_quant.model.spec import load_model_spec_from_source
+    from kimi_quant.source import open_source
+
+    src = open_source(str(synth("tiny", tmp_path / "tiny")))
+    try:
+        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
+        spec = load_model_spec_from_source(src, recipe_given=True)
+    finally:
+        src.close()
+    routed = est.estimate(plan, spec, CalibConfig(tokens=2048), workers=2)
+    assert routed["driver_threads"] == forward_threads("local", 2)  # what run_calibrated gives its forward
+    assert routed["forward_s"] * routed["driver_threads"] == pytest.approx(routed["forward_core_h"] * 3600)
+    k, E = spec.text.num_experts_per_token, spec.text.num_experts
+    assert routed["expert_tokens"] == "routed" and routed["expert_tokens_mean"] == 2048 * k / E
+    every = est.estimate(plan, spec, CalibConfig(tokens=2048, expert_tokens="all"), workers=2)
+    assert every["expert_tokens"] == "all" and every["expert_tokens_mean"] == 2048
+    assert every["hessian_core_h"] > 1.5 * routed["hessian_core_h"]  # the experts' Hessians from E/k x the tokens

@@ -38,7 +38,7 @@ from .params import (SIZE_UNITS, Size, calib_config, calibration_options, count_
 @calibration_options
 def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, work_dir, max_disk,
          link_gbps, json_path, show_shards, verbose, remeasure, quiet=False, calibrate=False, calibration=None,
-         calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None):
+         calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None, expert_tokens=None):
     """Size a conversion before running it, from headers only (no tensor data is read): output size,
     disk needed, peak memory and wall time for the given --workers/--executor, model_quant_type, and
     (-v) the scheme of every tensor group and the output shards.
@@ -56,7 +56,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
         raise KimiQuantError(f"--quiet prints nothing: drop it or {'--verbose' if verbose else '--shards'}")
     if calibrate:
         require_torch("plan --calibrate (it measures this machine's GPTQ and forward rates)")
-    cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens)
+    cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
+                       expert_tokens)
     check_staging_options(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not is_local_dir(source)
     src = open_named_source(source, revision, work_dir if hub else None)
@@ -124,6 +125,16 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
         click.echo(f"plan written to {json_path}")
 
 
+def _expert_tokens(e: dict) -> str:
+    """What a routed expert's Hessian will see: the run's stats give the min / median it did see."""
+    if not e["expert_tokens_mean"]:
+        return ""
+    if e["expert_tokens"] == "all":
+        return f", every routed expert's Hessian from all of them (min = median = {e['expert_tokens_mean']:.0f})"
+    return (f", ~{e['expert_tokens_mean']:.0f} per routed expert on average (routed: the median is about that "
+            "with balanced routing, the min lower; the run reports both; --expert-tokens all gives every expert all)")
+
+
 def _calibrate_lines(e: dict, cal) -> list[str]:
     """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
     where = (f"{e['workers']} Ray workers" if e["executor"] == "ray" else
@@ -131,9 +142,9 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
                                                 if e["gptq_workers"] < e["workers"] else ""))
     d = e["driver_memory"]
     return [f"calibrate ~{fmt_duration(e['wall_seconds'])} on {where}: start-up {fmt_duration(e['startup_s'])}, "
-            f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (serial, the driver's "
+            f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (layer by layer between the GPTQ stages, on the driver's "
             f"{e['driver_threads']} threads), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
-            f"workers, at most {e['max_parallel_jobs']} at once); {cal.tokens} tokens",
+            f"workers, at most {e['max_parallel_jobs']} at once); {cal.tokens} tokens" + _expert_tokens(e),
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
             "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
             + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",
