@@ -111,7 +111,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
         gc.freeze()  # this process's modules live to its end: its full collections need not walk them
     if do_validate:  # a model validation cannot run is refused before the conversion, not after it
         from ..model.spec import load_model_spec
-        from ..runtime.forward import check_supported
+        from ..runtime.supported import check_supported
 
         check_supported(load_model_spec(Path(source).expanduser()).text)
     source_options = {}
