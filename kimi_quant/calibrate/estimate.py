@@ -258,18 +258,19 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
 
 
 def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local",
-             driver_threads: int | None = None) -> dict:
+             driver_cores: int | None = None) -> dict:
     """{hours, wall_seconds, parts of the time, driver and worker memory, ...} of a calibrated conversion of
-    ``plan`` with ``workers`` on ``executor``; the driver (its forward) runs here, on ``driver_threads``
-    (default: ``min(workers, this machine's cores)``, as the run sets them)."""
+    ``plan`` with ``workers`` on ``executor``; the driver (its forward) runs on ``min(workers, driver_cores)``
+    threads, as the run sets them (``driver_cores``: the driving machine's cores, default this one's; local
+    workers are capped at them too). Rates are this machine's, per core."""
     import torch
 
     t = spec.text
     T = cfg.tokens
     k, E = t.num_experts_per_token, t.num_experts
-    cores = os.cpu_count() or 1
+    cores = driver_cores or os.cpu_count() or 1
     gptq_workers = max(1, min(workers, cores) if executor == "local" else workers)
-    threads = max(1, driver_threads or min(workers, cores))  # the driver's forward
+    threads = max(1, min(workers, cores))  # the driver's forward
     fp32 = _rate(torch.float32)
     op_s, elem_s = _overheads()
     linears = _linears(plan, spec)

@@ -23,6 +23,10 @@ from .params import (SIZE_UNITS, Size, calib_config, calibration_options, count_
                    "the workers of your cluster).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Executor the estimates assume (Ray: each worker as fast as one core of this machine).")
+@click.option("--driver-cores", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --calibrate: cores of the machine that will drive the run (its forward and Hessians run "
+                   "there, and --executor local workers too), when that is not this one; rates stay this machine's "
+                   "per core. Example: --executor ray --workers 1024 --driver-cores 64 for 16 nodes of 64 cores.")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards would be staged.")
 @click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}) "
               "[default: the two largest source shards, or more if one output shard needs more].")
@@ -36,7 +40,8 @@ from .params import (SIZE_UNITS, Size, calib_config, calibration_options, count_
 @click.option("--verbose", "-v", is_flag=True, help="Scheme table and the shard list as well.")
 @click.option("--remeasure", is_flag=True, help="Measure this machine's codec rates again (else the stored ones).")
 @calibration_options
-def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, work_dir, max_disk,
+def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, driver_cores,
+         work_dir, max_disk,
          link_gbps, json_path, show_shards, verbose, remeasure, quiet=False, calibrate=False, calibration=None,
          calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None, expert_tokens=None):
     """Size a conversion before running it, from headers only (no tensor data is read): output size,
@@ -54,6 +59,8 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
 
     if quiet and (verbose or show_shards):
         raise KimiQuantError(f"--quiet prints nothing: drop it or {'--verbose' if verbose else '--shards'}")
+    if driver_cores is not None and not calibrate:
+        raise KimiQuantError("--driver-cores sizes a calibrated run: add --calibrate, or drop it")
     if calibrate:
         require_torch("plan --calibrate (it measures this machine's GPTQ and forward rates)")
     cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
@@ -71,7 +78,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
                 raise KimiQuantError("--calibrate runs the Kimi K3-family forward; this model is not one")
     finally:
         src.close()
-    workers = workers or os.cpu_count() or 1
+    workers = workers or driver_cores or os.cpu_count() or 1
     if json_path:  # an unwritable path fails before anything is measured or printed
         parent = Path(json_path).expanduser().parent
         why = (errno.ENOENT if not parent.is_dir() else errno.EACCES if not os.access(parent, os.W_OK) else None)
@@ -91,7 +98,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     if cal is not None:
         from ..calibrate.estimate import estimate
 
-        cal_est = estimate(p, spec, cal, workers, executor)
+        cal_est = estimate(p, spec, cal, workers, executor, driver_cores=driver_cores)
         cal_lines = _calibrate_lines(cal_est, cal)
     if json_path:  # first: an unwritable path fails before any of the plan is printed
         from ..write import write_atomic
@@ -138,7 +145,7 @@ def _expert_tokens(e: dict) -> str:
 def _calibrate_lines(e: dict, cal) -> list[str]:
     """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
     where = (f"{e['workers']} Ray workers" if e["executor"] == "ray" else
-             f"{e['workers']} local workers" + (f" (capped at this machine's {e['gptq_workers']} cores)"
+             f"{e['workers']} local workers" + (f" (capped at {e['gptq_workers']} cores)"
                                                 if e["gptq_workers"] < e["workers"] else ""))
     d = e["driver_memory"]
     return [f"calibrate ~{fmt_duration(e['wall_seconds'])} on {where}: start-up {fmt_duration(e['startup_s'])}, "
