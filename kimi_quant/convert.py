@@ -95,8 +95,11 @@ def journal_calib_options(cfg) -> dict:
     text = cfg.calibration
     if not text.startswith("builtin:") and Path(text).expanduser().exists():
         text = str(Path(text).expanduser().resolve())
-    return {"calibration": text, "tokens": cfg.tokens, "act_order": cfg.act_order, "damp": cfg.damp,
-            "min_expert_tokens": cfg.min_expert_tokens}
+    out = {"calibration": text, "tokens": cfg.tokens, "act_order": cfg.act_order, "damp": cfg.damp,
+           "min_expert_tokens": cfg.min_expert_tokens}
+    if cfg.expert_tokens != "routed":  # recorded only when given: journals from before it stay equal
+        out["expert_tokens"] = cfg.expert_tokens
+    return out
 
 
 def prepare_output(out_dir: Path, plan: Plan, overwrite: bool, will_write: list[str] = (),

@@ -12,6 +12,7 @@ import hashlib
 import mmap
 import os
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,8 @@ from typing import Callable
 from .untrusted import check_identity
 
 CHUNK = 16 * 1024 * 1024
+#: bytes a ``BackgroundSha256`` may hold unhashed before ``update`` waits for its thread
+BACKLOG = 64 * 1024 * 1024
 
 
 def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None, identity: str | None = None) -> str:
@@ -73,3 +76,92 @@ def sha256_files(paths: list[Path], desc: str | None = None, quiet: bool = False
             return list(pool.map(lambda p: sha256_file(p, advance), paths))
     finally:
         bar.close()
+
+
+class BackgroundSha256:
+    """sha256 of bytes given in order (``update``), computed on a thread of its own: hashlib releases
+    the GIL on large buffers, so a writer copies bytes on one core while they are hashed on another.
+
+    ``update`` keeps a reference to the buffer until it is hashed: it must not change meanwhile. At
+    most ``backlog`` bytes wait (then ``update`` waits), so memory stays bounded when hashing lags;
+    ``after(fn)`` runs ``fn`` once the bytes given before it are hashed (e.g. drop their pages)."""
+
+    def __init__(self, data=b"", backlog: int = BACKLOG):
+        self._sha = hashlib.sha256(data)
+        self._waiting: deque = deque()  # memoryviews to hash, and functions to call (``after``), in order
+        self._waiting_bytes = 0
+        self._backlog = backlog
+        self._closed = False
+        self._error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kq-sha256", daemon=True)
+        self._thread.start()
+
+    def update(self, data) -> None:
+        buf = memoryview(data).cast("B")
+        if not buf.nbytes:
+            return
+        with self._cv:
+            while self._waiting_bytes >= self._backlog and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                raise RuntimeError(f"sha256 thread: update after the digest was taken or the hash stopped"
+                                   f"{f' (it failed: {self._error!r})' if self._error else ''}")
+            self._waiting.append(buf)
+            self._waiting_bytes += buf.nbytes
+            self._cv.notify_all()
+
+    def after(self, fn) -> None:
+        """Call ``fn()`` on the hash thread once every byte given so far is hashed (now, once stopped)."""
+        with self._cv:
+            if not self._closed:
+                self._waiting.append(fn)
+                self._cv.notify_all()
+                return
+        fn()
+
+    def _run(self) -> None:
+        try:
+            self._hash_until_closed()
+        except BaseException as e:  # noqa: BLE001 - raised by ``hexdigest``: never a digest of missing bytes
+            with self._cv:
+                self._error, self._closed = e, True
+                self._waiting.clear()
+                self._cv.notify_all()
+
+    def _hash_until_closed(self) -> None:
+        while True:
+            with self._cv:
+                while not self._waiting and not self._closed:
+                    self._cv.wait()
+                if not self._waiting:
+                    return
+                item = self._waiting.popleft()
+            if callable(item):
+                item()
+                continue
+            for start in range(0, item.nbytes, CHUNK):
+                self._sha.update(item[start:start + CHUNK])
+            with self._cv:
+                self._waiting_bytes -= item.nbytes
+                self._cv.notify_all()
+            del item  # the buffer (maybe a view of a mapped file) is not kept while waiting
+
+    def hexdigest(self) -> str:
+        """The digest of every byte given: waits for the thread to hash them all."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"sha256 thread failed: {self._error!r}") from self._error
+        return self._sha.hexdigest()
+
+    def stop(self) -> None:
+        """Drop what is still waiting and end the thread (after an error: no digest is wanted)."""
+        with self._cv:
+            self._closed = True
+            self._waiting_bytes -= sum(b.nbytes for b in self._waiting if not callable(b))
+            self._waiting.clear()
+            self._cv.notify_all()
+        self._thread.join()

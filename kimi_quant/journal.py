@@ -192,7 +192,7 @@ PLAN_OPTIONS = {"source": None, "target": "--target", "recipe": "--recipe", "ove
                 "calibrate": "--calibrate"}
 #: a calibrated run's settings, as the journal records them under "calibrate" -> their flag
 CALIB_OPTIONS = {"calibration": "--calibration-data", "tokens": "--tokens", "act_order": "--act-order",
-                 "damp": "--damp", "min_expert_tokens": "--min-expert-tokens"}
+                 "damp": "--damp", "min_expert_tokens": "--min-expert-tokens", "expert_tokens": "--expert-tokens"}
 
 
 def _calib_flags(v) -> list[str]:

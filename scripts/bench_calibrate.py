@@ -8,13 +8,21 @@ over the first. The outputs must be byte-identical: the script checks it. The lo
 before and after: on a shared machine a ratio measured at a load above the core count says little.
 
     python scripts/bench_calibrate.py [--experts 32] [--workers 1,2] [--tokens 512] [--target a3] [--dir DIR]
+                                      [--phases] [--repeat N] [--expert-tokens routed|all]
+
+``--phases``: also where each run's time went (calibrate/phases.py: the driver's exclusive wall seconds in its
+forward, Hessians, GPTQ (in the driver with 1 worker, else waiting for the workers), reads and writes;
+``before`` is the process's start, imports and plan until the conversion began).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,6 +53,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=512, help="calibration tokens [512]")
     ap.add_argument("--target", default="a3")
     ap.add_argument("--dir", type=Path, default=None, help="where the checkpoint and outputs go [a temp dir]")
+    ap.add_argument("--phases", action="store_true", help="print where each run's time went")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per worker count, interleaved; the best counts [1]")
+    ap.add_argument("--expert-tokens", default="routed", choices=("routed", "all"))
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     base = args.dir or Path(tempfile.mkdtemp(prefix="kq-bench-cal-"))
@@ -55,26 +66,50 @@ def main() -> int:
           f"{args.tokens} tokens, target {args.target}, {os.cpu_count()} cores")
     print(f"load before: {_load()}")
     rows = []
-    for w in counts:
-        out = base / f"out-w{w}"
-        cmd = [sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", args.target, "-o", str(out),
-               "--calibrate", "--tokens", str(args.tokens), "--workers", str(w), "--overwrite", "-q"]
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        if r.returncode:
-            print(r.stderr, file=sys.stderr)
-            return r.returncode
-        rows.append((w, wall, _digest(out)))
-        print(f"workers {w}: wall {wall:.1f} s (load now {_load()})", flush=True)
+    for rep in range(args.repeat):
+        for w in counts:
+            row = _run(args, src, base, w)
+            if isinstance(row, int):
+                return row
+            rows.append(row)
     print(f"load after: {_load()}")
-    w0, t0 = rows[0][0], rows[0][1]
-    for w, wall, _ in rows[1:]:
-        print(f"speed-up {w} workers over {w0}: {t0 / wall:.2f}x")
+    best = {w: min(r[1] for r in rows if r[0] == w) for w in counts}
+    w0 = counts[0]
+    for w in counts[1:]:
+        print(f"speed-up {w} workers over {w0}: {best[w0] / best[w]:.2f}x"
+              + (f" (best of {args.repeat} each)" if args.repeat > 1 else ""))
     same = len({d for *_, d in rows}) == 1
     print("outputs byte-identical: " + ("yes" if same else "NO"))
     return 0 if same else 1
 
+
+def _run(args, src: Path, base: Path, w: int):
+    """One conversion with ``w`` workers: (w, wall s, digest), or its exit code when it failed."""
+    out = base / f"out-w{w}"
+    shutil.rmtree(out, ignore_errors=True)  # a complete output would only be verified and kept
+    cmd = [sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", args.target, "-o", str(out),
+           "--calibrate", "--tokens", str(args.tokens), "--workers", str(w), "--overwrite", "-q",
+           "--expert-tokens", args.expert_tokens]
+    phases = base / f"phases-w{w}.json"
+    phases.unlink(missing_ok=True)
+    env = {**os.environ, "KIMI_QUANT_CALIB_PHASES": str(phases)} if args.phases else None
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if r.returncode:
+        print(r.stderr, file=sys.stderr)
+        return r.returncode
+    cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
+    # the converting process's own CPU (its workers are the fork server's children: not counted here)
+    print(f"workers {w}: wall {wall:.1f} s, driver CPU {cpu:.1f} s (load now {_load()})", flush=True)
+    if args.phases and phases.exists():
+        ph = json.loads(phases.read_text())
+        ph["before"] = round(wall - ph.pop("total"), 1)
+        print("  phases (s): " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in sorted(ph.items())), flush=True)
+    return w, wall, _digest(out)
 
 if __name__ == "__main__":
     sys.exit(main())

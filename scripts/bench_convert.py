@@ -7,6 +7,8 @@ checkpoint and reports, measured in the same run:
   * the rate of writing as many bytes as the output into a fresh file in the output folder (one thread): on
     a VM the host may back each freed page anew when it is written (free page reporting), and the output
     side of a conversion pays that too;
+  * one core's sha256 rate, and the copy floor it implies (``copy_floor``: writing and hashing the output
+    and mapping the source, without start-up or quantizing; a shard's digest runs on one thread);
   * the CPU cost of mapping the cached source into a process (``src_map_core_s_per_gb``): it depends on
     the folios the page cache holds it in, moved a 950dt run by ~0.5-1 core-s here, and ``--recache``
     resets it (drop the source's cache; the bench's first read brings it back);
@@ -157,12 +159,13 @@ def map_cost(src: Path) -> float:
     return (time.process_time() - t0) / (total / 1e9)
 
 
-def write_gbps(folder: Path, nbytes: int) -> float:
+def write_gbps(folder: Path, nbytes: int) -> tuple[float, float]:
     """Rate of writing ``nbytes`` into a new file in ``folder`` (then deleted), one thread, 16 MiB writes:
-    what the output side of a conversion costs at least, beside quantizing."""
+    what the output side of a conversion costs at least, beside quantizing. (GB/s of wall time, CPU
+    seconds per GB: the second holds on a loaded machine.)"""
     buf = memoryview(bytearray(16 << 20))
     path = folder / f".kq-bench-write-{os.getpid()}"
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         left = nbytes
@@ -170,9 +173,38 @@ def write_gbps(folder: Path, nbytes: int) -> float:
             left -= os.write(fd, buf[:min(left, len(buf))])
     finally:
         os.close(fd)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     path.unlink()
-    return nbytes / seconds / 1e9
+    return nbytes / seconds / 1e9, cpu / (nbytes / 1e9)
+
+
+def sha256_gbps(nbytes: int = 256 << 20) -> float:
+    """One core's sha256 rate (GB/s) over bytes already in memory, best of 3: what the journal's digest of
+    every output byte costs at least (OpenSSL uses the SHA extensions where the CPU has them)."""
+    import hashlib
+
+    buf = memoryview(os.urandom(16 << 20))
+    best = float("inf")
+    for _ in range(3):
+        h, t0 = hashlib.sha256(), time.process_time()
+        for _ in range(nbytes // buf.nbytes):
+            h.update(buf)
+        best = min(best, time.process_time() - t0)
+    return nbytes / best / 1e9
+
+
+def copy_floor(in_bytes: int, out_bytes: int, largest_shard: int, sha_gbps: float, write_core_s: float,
+               src_map: float, cores: int) -> dict:
+    """The least a conversion that only moves bytes can take here, start-up and quantizing left out: map the
+    source (``src_map``, core-s per GB), write the output (``write_core_s`` per GB) and sha256 it
+    (``sha_gbps``; one thread per shard, so the largest shard's digest is a serial floor however many
+    cores). ``sha256_share``: the digest's part of those core-seconds; ``gbps_ceiling``: GB/s of source
+    bytes at that floor. From CPU times: a loaded machine moves them little."""
+    hash_s = out_bytes / 1e9 / sha_gbps
+    core_s = hash_s + out_bytes / 1e9 * write_core_s + in_bytes / 1e9 * src_map
+    seconds = max(largest_shard / 1e9 / sha_gbps, core_s / cores)
+    return {"floor_core_s": round(core_s, 2), "floor_s": round(seconds, 2), "sha256_share": round(hash_s / core_s, 2),
+            "gbps_ceiling": round(in_bytes / seconds / 1e9, 2)}
 
 
 def free_page_reporting() -> int | None:
@@ -251,9 +283,11 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
         for _ in range(repeat):
             shutil.rmtree(out, ignore_errors=True)
             runs.append(run_measured(cmd))
-        out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+        out_sizes = [f.stat().st_size for f in out.glob("*.safetensors")]
+        out_bytes = sum(out_sizes)
         shutil.rmtree(out, ignore_errors=True)
-        write_bw = write_gbps(work, out_bytes)
+        write_bw, write_core_s = write_gbps(work, out_bytes)
+        sha_bw = sha256_gbps()
         runs.sort(key=lambda r: r["seconds"])
         secs = [r["seconds"] for r in runs]
         median, best = secs[len(secs) // 2], secs[0]
@@ -264,6 +298,9 @@ def bench(src: Path, work: Path, targets: list[str], workers: int | None, shard:
                      "gbps_best": round(nbytes / best / 1e9, 3), "read_gbps": round(read_bw, 2),
                      "ratio_to_read": round(gbps / read_bw, 3), "src_map_core_s_per_gb": round(src_map, 3),
                      "out_gb": round(out_bytes / 1e9, 3), "write_gbps": round(write_bw, 2),
+                     "write_core_s_per_gb": round(write_core_s, 3), "sha256_gbps": round(sha_bw, 2),
+                     **copy_floor(nbytes, out_bytes, max(out_sizes, default=0), sha_bw, write_core_s, src_map,
+                                  workers or os.cpu_count() or 1),
                      "cores_busy": round(runs[len(runs) // 2]["cores_busy"], 2),
                      "steal_pct": round(max(r["steal_pct"] for r in runs), 1),
                      # CPU seconds per GB of input: what a loaded machine distorts least

@@ -10,8 +10,8 @@ machine they leave out the time other processes held the core); wall seconds are
 The load average before and after is printed: on a busy machine both clocks slow down together, so
 read the ratio.
 
-``--before REV`` also runs the calibrated path as it was at git revision REV (its gptq.py, and the
-numba block kernel it used) in the same run, and says whether the bytes changed and by how much the
+``--before REV`` also runs the calibrated path as it was at git revision REV (its GPTQ modules and
+the numba kernels they used) in the same run, and says whether the bytes changed and by how much the
 input-weighted error tr(dW H dW^T) moved (new / before).
 
 The weight holds bfloat16 values (as a checkpoint's: the guard's data-free codes then come from the codec's
@@ -36,6 +36,7 @@ import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -45,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from kimi_quant.quant import get_codec  # noqa: E402
-from kimi_quant.quant import gptq  # noqa: E402
+from kimi_quant.quant import gptq, gptq_clip, gptq_factor, gptq_judge  # noqa: E402
 
 ROLES = {"W4A8_DYNAMIC": "down", "W8A8_DYNAMIC": None, "W4A8_MXFP": None, "W8A8_MXFP8": None}
 
@@ -58,25 +59,30 @@ def _git_show(rev: str, path: str) -> str:
 def load_before(rev: str):
     """The calibrated entry point of revision ``rev``: a function (codec, w, matmul, H) -> tensors.
 
-    That revision's gptq.py runs with its own numba kernels (its gptq_kernels.py, or the block kernel
-    that older ones kept in kernels.py), loaded from files in a temporary folder under names of their
-    own; the codecs and numerics are this tree's."""
-    src = _git_show(rev, "kimi_quant/quant/gptq.py")
+    That revision's GPTQ modules (gptq.py and every gptq_*.py beside it: its factor, judge, candidate
+    grids and numba kernels; older revisions kept the block kernel in kernels.py) run from files in a
+    temporary folder under names of their own (``kimi_quant.quant._before_<name>``), importing one
+    another; the codecs and numerics are this tree's."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, "kimi_quant/quant/"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.split()
+    stems = [Path(f).stem for f in listed if Path(f).name.startswith("gptq") and f.endswith(".py")]
     tmp = Path(tempfile.mkdtemp(prefix="bench_gptq_before_"))
-    ns = {}
-    if "gptq_int_block" in src:  # its numba kernel lived in kernels.py
-        from numba import njit
+    for stem in stems:
+        src = _git_show(rev, f"kimi_quant/quant/{stem}.py")
+        for other in stems:
+            src = re.sub(rf"from \.{other} import", f"from ._before_{other} import", src)
+        if stem == "gptq" and "gptq_int_block" in src:  # its numba kernel lived in kernels.py
+            ksrc = _git_show(rev, "kimi_quant/quant/kernels.py")
+            body = re.search(r"@njit\(cache=True\)\ndef gptq_int_block.*?(?=\n\n\n)", ksrc, re.S).group(0)
+            (tmp / "_before_int_block.py").write_text("import numpy as np\nfrom numba import njit\n\n\n" + body + "\n")
+            src = src.replace("from .base import load_kernels\n\n        block = load_kernels().gptq_int_block",
+                              "from ._before_int_block import gptq_int_block as block")
+        (tmp / f"_before_{stem}.py").write_text(src)
+    import kimi_quant.quant as package
 
-        ksrc = _git_show(rev, "kimi_quant/quant/kernels.py")
-        body = re.search(r"@njit\(cache=True\)\ndef gptq_int_block.*?(?=\n\n\n)", ksrc, re.S).group(0)
-        exec(body.replace("@njit(cache=True)\n", ""), {"np": np}, ns)
-        ns["gptq_int_block"] = njit(ns["gptq_int_block"])
-        src = src.replace("from .base import load_kernels\n\n        block = load_kernels().gptq_int_block",
-                          "block = _BEFORE_BLOCK")
-    if "from .gptq_kernels import" in src:
-        _load(tmp, "_gptq_kernels_before", _git_show(rev, "kimi_quant/quant/gptq_kernels.py"))
-        src = src.replace("from .gptq_kernels import", "from ._gptq_kernels_before import")
-    mod = _load(tmp, "_gptq_before", src, _BEFORE_BLOCK=ns.get("gptq_int_block"))
+    package.__path__.append(str(tmp))  # the relative imports of the _before_ modules find them there
+    mod = importlib.import_module("kimi_quant.quant._before_gptq")
+    kept = sys.modules.get("kimi_quant.quant._before_gptq_factor", mod)._LAST_FACTOR
 
     class Adapter:  # the codec as that revision called it (older ones: gptq_grids(w, matmul))
         def __init__(self, codec):
@@ -89,48 +95,37 @@ def load_before(rev: str):
             return getattr(self.codec, attr)
 
     def run(codec, w, matmul, H):
-        mod._LAST_FACTOR.clear()
+        kept.clear()
         return mod.gptq_quantize(Adapter(codec), w, matmul, H, None)
 
     return run
 
 
-def _load(folder: Path, name: str, src: str, **extra):
-    """Module ``kimi_quant.quant.<name>`` from ``src`` written to folder/<name>.py (numba caches need a file)."""
-    path = folder / f"{name}.py"
-    path.write_text(src)
-    full = f"kimi_quant.quant.{name}"
-    spec = importlib.util.spec_from_file_location(full, path)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__dict__.update(extra)
-    sys.modules[full] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def after(codec, w, matmul, H):
-    gptq._LAST_FACTOR.clear()  # each call pays its own factor (the kept one is for q/k/v sharing one H)
+    gptq_factor._LAST_FACTOR.clear()  # each call pays its own factor (the kept one is for q/k/v sharing one H)
     return gptq.gptq_quantize(codec, w, matmul, H)
 
 
 #: (where, attribute, phase): the functions whose CPU seconds ``--phases`` charges to a phase (missing
-#: ones are skipped, so that the table outlives renames); where is a module, a class or "codec"
+#: ones are skipped, so that the table outlives renames); where is a module, a class or "codec"; a
+#: module's function is also replaced where another GPTQ module imported it by name
 def phase_table(torch, kernels):
-    J = gptq._Judge
+    J = gptq_judge.Judge
+    F = gptq_factor
     return [
-        (gptq, "_prepared", "factor: prepare H'"), (torch.linalg, "cholesky_ex", "factor: Cholesky (float64)"),
-        (gptq, "_lower_inverse_in_place", "factor: triangular inverse"), (kernels, "flip_in_place", "factor: flip"),
-        (gptq, "_factor_once", "factor: other"), (gptq, "_factor", "factor: other"),
+        (F, "_prepared", "factor: prepare H'"), (torch.linalg, "cholesky_ex", "factor: Cholesky (float64)"),
+        (F, "_lower_inverse_in_place", "factor: triangular inverse"), (kernels, "flip_in_place", "factor: flip"),
+        (F, "_factor_once", "factor: other"), (F, "hessian_factor", "factor: other"),
         (J, "__init__", "judge: triangle blocks, floor"), (J, "fast", "judge: float32 products"),
         (J, "exact", "judge: float64 re-judging"), (J, "from_gptq", "judge: error from GPTQ"),
         (J, "choose", "judge: choice"), (J, "_pivoted_cholesky", "screen/bound: pivoted Cholesky"),
         (J, "fast_unless_beaten", "guard: lower bound"),
-        (kernels, "plain_errors", "clip: screen scores"), (gptq, "_clip_before", "clip: other"),
+        (kernels, "plain_errors", "clip: screen scores"), (gptq_clip, "clip_before", "clip: other"),
         (kernels, "gptq_block", "GPTQ: block kernel"), (kernels, "gather_transposed", "GPTQ: transposes"),
         (kernels, "scatter_transposed", "GPTQ: transposes"), (gptq, "gptq_run", "GPTQ: updates between blocks"),
         ("codec", "fast_data_free_codes", "guard: data-free codes"), ("codec", "gptq_grids", "candidate grids"),
-        ("codec", "encode", "encode"), (gptq, "values_of", "values of codes"), (gptq, "_pick_rows", "other"),
-        (gptq, "_quantize_rows", "other"), (gptq, "gptq_quantize", "other"),
+        ("codec", "encode", "encode"), (gptq_judge, "values_of", "values of codes"),
+        (gptq_clip, "pick_rows", "other"), (gptq, "_quantize_rows", "other"), (gptq, "gptq_quantize", "other"),
     ]
 
 
@@ -163,8 +158,14 @@ def phases(codec, fn):
         orig = getattr(obj, attr, None)
         if orig is None:
             continue
+        wrapped = wrap(orig, label)
         undo.append((obj, attr, obj.__dict__.get(attr) if where != "codec" else None, where == "codec"))
-        setattr(obj, attr, wrap(orig, label))
+        setattr(obj, attr, wrapped)
+        if isinstance(where, types.ModuleType):
+            for other in (gptq, gptq_clip, gptq_factor, gptq_judge):
+                if other is not where and other.__dict__.get(attr) is orig:
+                    undo.append((other, attr, orig, False))
+                    setattr(other, attr, wrapped)
     try:
         fn()
     finally:
@@ -228,8 +229,8 @@ def main():
         if args.before:
             new, old = outs["after"], outs[f"before {args.before}"]
             same = all(np.array_equal(new[k].view(np.uint8), old[k].view(np.uint8)) for k in new)
-            e_new = gptq.weighted_error(w, codec.dequantize(new), H).sum()
-            e_old = gptq.weighted_error(w, codec.dequantize(old), H).sum()
+            e_new = gptq_judge.weighted_error(w, codec.dequantize(new), H).sum()
+            e_old = gptq_judge.weighted_error(w, codec.dequantize(old), H).sum()
             rows = np.mean([np.array_equal(p, q) for p, q in zip(codec.dequantize(new), codec.dequantize(old))])
             print(f"{'':<14}bytes {'unchanged' if same else 'changed'}; rows with the same values {rows:.1%}; "
                   f"tr(dW H dW^T) new / before {e_new / e_old:.6f}", flush=True)

@@ -32,7 +32,8 @@ def main(argv=None) -> int:
 
     from kimi_quant.quant import get_codec
     from kimi_quant.quant import numerics as nm
-    from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, gptq_quantize, weighted_error
+    from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, gptq_quantize
+    from kimi_quant.quant.gptq_judge import weighted_error
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=3072)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kimi_quant.quant import gptq as G
+from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
 
 def reference_factor(H: np.ndarray, damp: float, act_order: bool):
@@ -36,7 +36,7 @@ def reference_quantize(codec, w, matmul, H, cfg: G.GPTQConfig):
     perm, U = reference_factor(H, cfg.damp, cfg.act_order)
 
     def err(v):
-        return G.weighted_error(w, v, H)
+        return J.weighted_error(w, v, H)
 
     free_grid, free_codes = codec.data_free_codes(w, matmul)
     grids = codec.gptq_grids(w, matmul, (free_grid, free_codes))
@@ -44,16 +44,16 @@ def reference_quantize(codec, w, matmul, H, cfg: G.GPTQConfig):
     if ratios:
         out = []
         for g in grids:
-            if not G._clippable(g):
+            if not C.clippable(g):
                 out.append(g)
                 continue
-            cands = [g, *(G._scaled(g, r) for r in ratios)]
-            e = [err(G.values_of(np.clip(np.rint(w / c.scale), c.qmin, c.qmax), c)) for c in cands]
-            out.append(G._pick_rows(np.argmin(e, axis=0), cands))
+            cands = [g, *(C._scaled(g, r) for r in ratios)]
+            e = [err(J.values_of(np.clip(np.rint(w / c.scale), c.qmin, c.qmax), c)) for c in cands]
+            out.append(C.pick_rows(np.argmin(e, axis=0), cands))
         grids = out
     cands = [(g, G.gptq_run(w, U, g, cfg, perm, kernel=False)[0]) for g in grids]
     if cfg.guard:
         cands.append((free_grid, free_codes))
-    best = np.argmin([err(G.values_of(c, g)) for g, c in cands], axis=0)
+    best = np.argmin([err(J.values_of(c, g)) for g, c in cands], axis=0)
     codes = np.choose(best[:, None], [c.astype(np.int16) for _, c in cands]) if len(cands) > 1 else cands[0][1]
-    return codec.encode(codes, G._pick_rows(best, [g for g, _ in cands]), matmul)
+    return codec.encode(codes, C.pick_rows(best, [g for g, _ in cands]), matmul)

@@ -56,7 +56,7 @@ def test_float32_hessian_above_the_limit_is_summed_in_place_and_handed_over_with
 
 @pytest.mark.parametrize("K,panel", [(1, 4), (37, 8), (300, 64), (600, 1024)])
 def test_cholesky_in_place_matches_torch_and_reads_only_the_lower_triangle(K, panel):
-    from kimi_quant.quant.gptq import _cholesky_in_place
+    from kimi_quant.quant.gptq_factor import cholesky_in_place
 
     g = torch.Generator().manual_seed(K)
     X = torch.randn(K, K + 5, generator=g)
@@ -65,12 +65,12 @@ def test_cholesky_in_place_matches_torch_and_reads_only_the_lower_triangle(K, pa
     B = A.clone()
     iu = torch.triu_indices(K, K, 1)
     B[iu[0], iu[1]] = 7.0
-    assert _cholesky_in_place(B, panel) == 0
+    assert cholesky_in_place(B, panel) == 0
     assert float((B - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     assert bool((B[iu[0], iu[1]] == 0).all())
     bad = torch.eye(K)
     bad[K // 2, K // 2] = -1.0
-    assert _cholesky_in_place(bad, panel) == int(torch.linalg.cholesky_ex(torch.diag(torch.diagonal(bad))).info)
+    assert cholesky_in_place(bad, panel) == int(torch.linalg.cholesky_ex(torch.diag(torch.diagonal(bad))).info)
 
 
 def test_hessian_key_separates_stages():
@@ -121,3 +121,52 @@ def test_plan_time_is_within_2x_of_a_measured_calibrated_convert(tmp_path):
     assert r.returncode == 0, r.stderr
     print(f"tiny a3 --calibrate {tokens} tokens: estimated {e['wall_seconds']:.1f} s, measured {measured:.1f} s")
     assert measured / 2 <= e["wall_seconds"] <= measured * 2
+
+
+def test_the_forward_is_estimated_on_the_threads_the_run_gives_it_and_all_expert_tokens_cost_more(tmp_path):
+    from kimi_quant.calibrate.run import forward_threads
+    from kimi_quant.convert import build_plan
+    from kimi_quant.model.spec import load_model_spec_from_source
+    from kimi_quant.source import open_source
+
+    src = open_source(str(synth("tiny", tmp_path / "tiny")))
+    try:
+        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
+        spec = load_model_spec_from_source(src, recipe_given=True)
+    finally:
+        src.close()
+    routed = est.estimate(plan, spec, CalibConfig(tokens=2048), workers=2)
+    assert routed["driver_threads"] == forward_threads("local", 2)  # what run_calibrated gives its forward
+    assert routed["forward_s"] * routed["driver_threads"] == pytest.approx(routed["forward_core_h"] * 3600)
+    k, E = spec.text.num_experts_per_token, spec.text.num_experts
+    assert routed["expert_tokens"] == "routed" and routed["expert_tokens_mean"] == 2048 * k / E
+    every = est.estimate(plan, spec, CalibConfig(tokens=2048, expert_tokens="all"), workers=2)
+    assert every["expert_tokens"] == "all" and every["expert_tokens_mean"] == 2048
+    flops = lambda e: e["hessian_core_h"] * e["fp32_gflops"]  # noqa: E731 (each estimate measures its own rate)
+    assert flops(every) > 1.3 * flops(routed)  # the experts' Hessians from E/k x the tokens
+
+
+def test_a_described_driver_sets_the_forward_threads_and_caps_local_workers(tmp_path):
+    """plan --driver-cores: the forward runs on min(workers, the driver's cores) threads, local GPTQ workers
+    are capped at those cores (Ray workers are not), and the forward's core-hours are spread over those threads."""
+    from kimi_quant.convert import build_plan
+    from kimi_quant.model.spec import load_model_spec_from_source
+    from kimi_quant.source import open_source
+
+    src_dir = synth("tiny", tmp_path / "tiny")
+    src = open_source(str(src_dir))
+    try:
+        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
+        spec = load_model_spec_from_source(src, recipe_given=True)
+    finally:
+        src.close()
+    cfg = CalibConfig(tokens=512)
+    ray = est.estimate(plan, spec, cfg, workers=1024, executor="ray", driver_cores=64)
+    assert ray["driver_threads"] == 64 and ray["gptq_workers"] == 1024
+    local = est.estimate(plan, spec, cfg, workers=1024, executor="local", driver_cores=8)
+    assert local["driver_threads"] == 8 and local["gptq_workers"] == 8
+    for e, threads in ((ray, 64), (local, 8)):
+        assert e["forward_s"] * threads == pytest.approx(e["forward_core_h"] * 3600)
+    r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "plan", str(src_dir), "-t", "a3", "--driver-cores", "8"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode != 0 and "--driver-cores sizes a calibrated run" in r.stderr

@@ -48,19 +48,71 @@ def serial(source, tmp_path_factory) -> Path:
 
 
 def test_two_local_workers_write_the_same_bytes(serial, source, tmp_path, monkeypatch):
-    made = []
+    made, forward_threads = [], []
     real = calib_run.make_runner
+    real_set = torch.set_num_threads
 
     def make_runner(*a, **k):
         made.append(real(*a, **k))
         return made[-1]
 
+    def set_num_threads(n):  # the driver's forward runs on the run's cores, GPTQ's stages on one thread
+        forward_threads.append(n)
+        real_set(n)
+
     monkeypatch.setattr(calib_run, "make_runner", make_runner)
+    monkeypatch.setattr(calib_run.torch, "set_num_threads", set_num_threads)
     out = tmp_path / "two"
     _convert(source, out, workers=2)
     assert isinstance(made[0], calib_jobs.ProcessRunner) and made[0].workers == 2
+    assert max(forward_threads) == min(2, os.cpu_count() or 1) and forward_threads[-1] == 1
     assert snapshot(out) == snapshot(serial)
     verify_output(out)
+
+
+def test_forward_threads_are_the_cores_the_run_was_given():
+    cores = os.cpu_count() or 1
+    assert calib_run.forward_threads("local", 1) == 1
+    assert calib_run.forward_threads("local", 2) == min(2, cores)
+    assert calib_run.forward_threads("ray", 1024) == cores
+    assert calib_run.forward_threads("local", None) == cores
+
+
+def test_the_forwards_products_do_not_depend_on_the_thread_count():
+    """What byte-identical output for any --workers rests on, at a routed expert's real width (3584) and widths
+    torch splits over threads: the MoE forward's outputs and every Hessian, bit for bit, on 1 and 2 threads."""
+    from types import SimpleNamespace
+
+    from kimi_quant.calibrate.hessian import HessianCollector
+    from kimi_quant.runtime import forward as fw
+
+    g = torch.Generator().manual_seed(0)
+    R, I, E, T = 3584, 512, 3, 384
+    cfg = SimpleNamespace(num_experts=E, num_experts_per_token=2, num_expert_group=1, topk_group=1,
+                          moe_renormalize=True, routed_scaling_factor=2.5, routed_expert_hidden_size=0,
+                          hidden_act="silu", num_shared_experts=0)
+    w = {"block_sparse_moe.gate.weight": torch.randn(E, R, generator=g),
+         "block_sparse_moe.gate.e_score_correction_bias": torch.zeros(E)}
+    for e in range(E):
+        for n, shape in (("w1", (I, R)), ("w3", (I, R)), ("w2", (R, I))):
+            w[f"block_sparse_moe.experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g).bfloat16().float() / 40
+    xs = [torch.randn(1, T, R, generator=g).bfloat16().float() for _ in range(2)]
+    got = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            coll = HessianCollector()
+            names = [k for k in w if ".experts." in k]
+            coll.want(names)
+            with fw.observe_linear_inputs(coll):
+                ys = fw.moe_many(cfg, w, xs)
+            got[n] = (ys, {k: coll.hessian(k) for k in names})
+    finally:
+        torch.set_num_threads(threads)
+    (y1, h1), (y2, h2) = got[1], got[2]
+    assert all(torch.equal(a, b) for a, b in zip(y1, y2))
+    assert h1.keys() == h2.keys() and all(np.array_equal(h1[k], h2[k]) for k in h1)
 
 
 class _KillOne(calib_jobs.ProcessRunner):

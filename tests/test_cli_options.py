@@ -41,6 +41,7 @@ OPTIONS = {
     "--damp": ("GPTQ dampening", {"plan", "convert"}),
     "--device": ("where GPTQ runs", {"plan", "convert"}),
     "--min-expert-tokens": ("tokens a routed expert needs for GPTQ", {"plan", "convert"}),
+    "--expert-tokens": ("the tokens a routed expert's Hessian sees", {"plan", "convert"}),
     "--output": ("the directory written", {"convert", "synth", "demo"}),
     "--ray-address": ("Ray cluster address", {"convert"}),
     "--overwrite": ("replace an earlier kimi-quant output there", {"convert", "synth"}),

@@ -9,7 +9,8 @@ import torch
 from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16
 from kimi_quant.quant import get_codec
 from kimi_quant.quant import numerics as nm
-from kimi_quant.quant.gptq import GPTQConfig, gptq_quantize, gptq_quantize_bf16, weighted_error
+from kimi_quant.quant.gptq import GPTQConfig, gptq_quantize, gptq_quantize_bf16
+from kimi_quant.quant.gptq_judge import weighted_error
 
 SCHEMES = [("W4A8_DYNAMIC", "gate"), ("W4A8_DYNAMIC", "down"), ("W8A8_DYNAMIC", None), ("W4A8_MXFP", None),
            ("W8A8_MXFP8", None)]
@@ -196,7 +197,7 @@ def test_kernel_gives_the_torch_loops_codes(name, act_order, block):
     """The numba inner loop (CPU, every grid kind) does the torch loop's float32 operations in the same
     order: the same codes, bit for bit (also with the lazy-update products split over rows, as for a
     large K), and the same sums of e^2 up to the rounding of the products between blocks."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     scheme, _, group = name.partition("/g")
     codec = get_codec(scheme, int(group or 0))
@@ -204,7 +205,7 @@ def test_kernel_gives_the_torch_loops_codes(name, act_order, block):
     w[3, 5:9] = 0  # zero weights: the +0 code
     w[7, :32] *= 1e-4  # tiny blocks: E4M3 subnormals
     cfg = GPTQConfig(act_order=act_order, block_size=block)
-    f = G._factor(H, w.shape[1], cfg, torch.device("cpu"))
+    f = F.hessian_factor(H, w.shape[1], cfg.damp, cfg.act_order, torch.device("cpu"))
     grid = codec.data_free_codes(w, "gate")[0]
     fast, sq_fast = G.gptq_run(w, f.U, grid, cfg, f.perm)
     ref, sq_ref = G.gptq_run(w, f.U, grid, cfg, f.perm, kernel=False)
@@ -220,10 +221,10 @@ def test_kernel_gives_the_torch_loops_codes(name, act_order, block):
 def test_float32_judge_is_the_float64_argmin_on_near_ties():
     """Candidates whose errors differ by less than float32 can resolve are re-judged in float64: the
     choice per row is the float64 argmin (first on exact ties), and rows far apart stay float32."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     w, H = _weight(19, N=40, K=96), _hessian(20, K=96)
-    judge = G._Judge(w, H, torch.device("cpu"))
+    judge = J.Judge(w, H, torch.device("cpu"))
     rng = np.random.default_rng(21)
     base = w + 1e-3 * rng.standard_normal(w.shape).astype(np.float32)
     cands = [base, base.copy(), base + 1e-7 * rng.standard_normal(w.shape).astype(np.float32),
@@ -236,37 +237,37 @@ def test_float32_judge_is_the_float64_argmin_on_near_ties():
     np.testing.assert_allclose(err, exact[want, np.arange(w.shape[0])], rtol=1e-12)
     # float32 alone is within the margin the judge trusts
     f32 = np.stack([judge.fast(c) for c in cands])
-    assert np.abs(f32 / exact - 1).max() < G.JUDGE_RTOL / 10
+    assert np.abs(f32 / exact - 1).max() < J.JUDGE_RTOL / 10
 
 
 def test_factor_reuse_only_for_an_equal_hessian():
     """The inverse factor is kept for the next call with an equal H (q/k/v share one): the bytes equal
     a fresh computation, and a different H is never served the kept one."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     codec = get_codec("W4A8_DYNAMIC")
     w, H1, H2 = _weight(22), _hessian(23), _hessian(24)
-    G._LAST_FACTOR.clear()
+    F._LAST_FACTOR.clear()
     fresh2 = gptq_quantize(codec, w, "up", H2)
     gptq_quantize(codec, w, "up", H1)
     again1 = gptq_quantize(codec, w, "up", H1.copy())  # served the kept factor
     after = gptq_quantize(codec, w, "up", H2)
-    G._LAST_FACTOR.clear()
+    F._LAST_FACTOR.clear()
     fresh1 = gptq_quantize(codec, w, "up", H1)
     for k in fresh1:
         assert np.array_equal(again1[k], fresh1[k]), k
         assert np.array_equal(after[k], fresh2[k]), k
     assert any(not np.array_equal(fresh1[k], fresh2[k]) for k in fresh1)
-    assert G._LAST_FACTOR  # K = 256: kept
+    assert F._LAST_FACTOR  # K = 256: kept
 
 
 def test_large_factors_are_not_kept(monkeypatch):
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
-    monkeypatch.setattr(G, "KEEP_FACTOR_MAX_K", 128)
-    G._LAST_FACTOR.clear()
+    monkeypatch.setattr(F, "KEEP_FACTOR_MAX_K", 128)
+    F._LAST_FACTOR.clear()
     gptq_quantize(get_codec("W4A8_DYNAMIC"), _weight(27), "up", _hessian(28))
-    assert not G._LAST_FACTOR
+    assert not F._LAST_FACTOR
 
 
 @pytest.mark.parametrize("name,elem", [("W4A8_MXFP", "e2m1"), ("W8A8_MXFP8", "e4m3")])
@@ -274,13 +275,13 @@ def test_mx_exponents_judged_on_the_hessian(name, elem):
     """mx_exponents="hessian" picks, per block, the exponent (OCP or one above) whose plain rounding
     has the smaller d_b H_bb d_b^T: with H = I that is the data-free squared-error rule, byte for
     byte; on a real H each block's choice beats the other candidate; "both" never loses to "sse" per row."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     codec = get_codec(name)
     w, H = _weight(25), _hessian(26)
     free = codec.quantize(w)
-    assert np.array_equal(G._mx_grid_on_h(w, elem, np.eye(w.shape[1])).scale_bytes, free["weight_scale"])
-    g = G._mx_grid_on_h(w, elem, H)
+    assert np.array_equal(C.mx_grid_on_h(w, elem, np.eye(w.shape[1])).scale_bytes, free["weight_scale"])
+    g = C.mx_grid_on_h(w, elem, H)
     e = g.scale_bytes.astype(int) - 127
     emax = nm.MX_ELEMENTS[elem][0]
     for n, b in [(0, 0), (5, 3), (17, 7), (40, 2)]:
@@ -326,12 +327,12 @@ def _problem(seed, kind, N=96, K=256):
 def test_factor_matches_the_float64_reference():
     """The prepared, permuted, inverted H (float64 Cholesky, float32 inverse by blocked products, flip in
     place) is the reference's float64 factor to float32 accuracy."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
     from gptq_reference import reference_factor
 
     for seed, kind in PROBLEMS[:2]:
         _, H = _problem(seed, kind, K=600)  # several levels of the recursive inverse (leaf 256)
-        f = G._factor_once(H, 600, 0.01, True, torch.device("cpu"))
+        f = F._factor_once(H, 600, 0.01, True, torch.device("cpu"))
         perm, U = reference_factor(H, 0.01, True)
         np.testing.assert_array_equal(f.perm.numpy(), perm.numpy())
         err = np.abs(f.U.numpy() - U.numpy()).max(axis=1) / np.abs(U.numpy()).max(axis=1)
@@ -364,18 +365,18 @@ def test_fast_path_is_the_reference_or_better(seed, kind, name, matmul):
 def test_clip_screen_keeps_the_exact_choice(seed, kind):
     """The clip search judges only the screen's finalists: per row the scale equals the exhaustive
     float64 argmin on (nearly) every row, and the plain-rounding error it keeps is within 1e-4."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     w, H = _problem(seed, kind)
     g = get_codec("W4A8_DYNAMIC").data_free_codes(w, "down")[0]
     ratios = tuple(r for r in G.CLIP_RATIOS if r != 1.0)
-    judge = G._Judge(w, H, torch.device("cpu"))
-    got = G._clip_before(w, g, ratios, judge, [], finalists=2)
-    cands = [g, *(G._scaled(g, r) for r in ratios)]
-    errs = np.stack([weighted_error(w, G.values_of(np.clip(np.rint(w / c.scale), -8, 7), c), H) for c in cands])
-    want = G._pick_rows(errs.argmin(axis=0), cands)
+    judge = J.Judge(w, H, torch.device("cpu"))
+    got = C.clip_before(w, g, ratios, judge, [], finalists=2)
+    cands = [g, *(C._scaled(g, r) for r in ratios)]
+    errs = np.stack([weighted_error(w, J.values_of(np.clip(np.rint(w / c.scale), -8, 7), c), H) for c in cands])
+    want = C.pick_rows(errs.argmin(axis=0), cands)
     assert np.mean(got.scale == want.scale) > 0.95
-    e = weighted_error(w, G.values_of(np.clip(np.rint(w / got.scale), -8, 7), got), H)
+    e = weighted_error(w, J.values_of(np.clip(np.rint(w / got.scale), -8, 7), got), H)
     assert e.sum() <= errs.min(axis=0).sum() * (1 + 1e-4)
 
 
@@ -384,17 +385,17 @@ def test_clip_screen_keeps_the_exact_choice(seed, kind):
 def test_error_from_gptq_is_the_weighted_error(seed, kind, name):
     """A GPTQ result's error taken from its own sum of e^2 (less the dampening) is the float64 product's
     to well within what the judge trusts a float32 estimate for."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     w, H = _problem(seed, kind)
     cfg = GPTQConfig()
-    f = G._factor(H, w.shape[1], cfg, torch.device("cpu"))
+    f = F.hessian_factor(H, w.shape[1], cfg.damp, cfg.act_order, torch.device("cpu"))
     grid = get_codec(name).data_free_codes(w, "down")[0]
     codes, sq = G.gptq_run(w, f.U, grid, cfg, f.perm)
-    v = G.values_of(codes, grid)
-    est = G._Judge(w, H, torch.device("cpu")).from_gptq(v, sq, f)
+    v = J.values_of(codes, grid)
+    est = J.Judge(w, H, torch.device("cpu")).from_gptq(v, sq, f)
     exact = weighted_error(w, v, H)
-    assert np.abs(est / exact - 1).max() < G.JUDGE_RTOL / 10
+    assert np.abs(est / exact - 1).max() < J.JUDGE_RTOL / 10
 
 
 @pytest.mark.parametrize("name,matmul", [("W4A8_DYNAMIC", "down"), ("W4A8_MXFP", None)])
@@ -402,14 +403,15 @@ def test_float32_working_set_for_a_large_k(monkeypatch, name, matmul):
     """Above FLOAT64_MAX_K the Hessian is prepared, factored and inverted in float32, in place (and read
     in blocks): the result stays within rounding of the float64 path (same codes on nearly every row,
     the same error to 1e-3), from a float64 or a float32 H."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     codec = get_codec(name)
     w, H = _problem(34, "mixed")
     want = gptq_quantize(codec, w, matmul, H)
-    monkeypatch.setattr(G, "FLOAT64_MAX_K", 64)
-    monkeypatch.setattr(G, "KEEP_FACTOR_MAX_K", 64)
-    monkeypatch.setattr(G, "PREP_ROWS", 48)
+    for module in (F, J):  # the judge reads the bound too
+        monkeypatch.setattr(module, "FLOAT64_MAX_K", 64)
+    monkeypatch.setattr(F, "KEEP_FACTOR_MAX_K", 64)
+    monkeypatch.setattr(F, "PREP_ROWS", 48)
     e_want = weighted_error(w, codec.dequantize(want), H).sum()
     for h in (H, H.astype(np.float32)):
         got = gptq_quantize(codec, w, matmul, h)
@@ -421,7 +423,7 @@ def test_float32_working_set_for_a_large_k(monkeypatch, name, matmul):
 def test_row_chunks_give_the_same_bytes(monkeypatch, name, matmul):
     """A large matrix is quantized in chunks of rows (bounded working arrays): rows are independent
     given the factor, so the bytes are those of one pass."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     codec = get_codec(name)
     w, H = _problem(35, "mixed")
@@ -461,7 +463,7 @@ def test_guard_bound_drops_only_rows_the_data_free_codes_lose(seed, kind):
     shift): every row it drops loses on the exact float64 error by more than the judge's re-judging
     margin, the rows it keeps get ``fast``'s estimate, and most rows are dropped (none where every row
     is a tie)."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     w, H = _problem(seed, "mixed" if kind == "indefinite" else kind)
     if kind == "indefinite":
@@ -469,32 +471,32 @@ def test_guard_bound_drops_only_rows_the_data_free_codes_lose(seed, kind):
     if kind == "diagonal":  # no correlation: GPTQ rounds as the data-free rule, every row a tie
         H = np.diag(np.diagonal(H))
     cfg = GPTQConfig()
-    f = G._factor(H, w.shape[1], cfg, torch.device("cpu"))
+    f = F.hessian_factor(H, w.shape[1], cfg.damp, cfg.act_order, torch.device("cpu"))
     grid, free = get_codec("W4A8_MXFP").data_free_codes(w, None)
     codes, sq = G.gptq_run(w, f.U, grid, cfg, f.perm)
-    judge = G._Judge(w, H, torch.device("cpu"))
-    rival = judge.from_gptq(G.values_of(codes, grid), sq, f)
-    v = G.values_of(free, grid)
+    judge = J.Judge(w, H, torch.device("cpu"))
+    rival = judge.from_gptq(J.values_of(codes, grid), sq, f)
+    v = J.values_of(free, grid)
     got = judge.fast_unless_beaten(v, rival, f)
     dropped = np.isinf(got)
     exact = weighted_error(w, v, H)
     assert dropped.mean() > 0.5 if kind != "diagonal" else not dropped.any(), dropped.mean()
-    assert (exact[dropped] > rival[dropped] * (1 + 2 * G.JUDGE_RTOL)).all()
+    assert (exact[dropped] > rival[dropped] * (1 + 2 * J.JUDGE_RTOL)).all()
     np.testing.assert_allclose(got[~dropped], judge.fast(v)[~dropped], rtol=1e-5)  # products over fewer rows
 
 
 @pytest.mark.parametrize("name,matmul", [("W4A8_MXFP", None), ("W8A8_MXFP8", None), ("W4A8_DYNAMIC", "down")])
 def test_guard_bound_gives_the_bytes_of_judging_every_row(monkeypatch, name, matmul):
     """Dropping rows by the bound changes no choice: the same bytes as with every row judged."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     codec = get_codec(name)
     for seed, kind in PROBLEMS[:4]:
         w, H = _problem(seed, kind)
-        G._LAST_FACTOR.clear()
+        F._LAST_FACTOR.clear()
         fast = gptq_quantize(codec, w, matmul, H)
-        monkeypatch.setattr(G, "BOUND_MARGIN", 1.0)  # the bound never exceeds a rival: every row judged
-        G._LAST_FACTOR.clear()
+        monkeypatch.setattr(J, "BOUND_MARGIN", 1.0)  # the bound never exceeds a rival: every row judged
+        F._LAST_FACTOR.clear()
         full = gptq_quantize(codec, w, matmul, H)
         monkeypatch.undo()
         for k in fast:
@@ -514,26 +516,26 @@ def test_pow2_scale_candidates_never_lose_on_the_input_weighted_error(seed, kind
     """On weights on the MXFP4 grid with a random Hessian: with power-of-two scale candidates the clip search
     picks powers of two on some rows, and its plain-rounding error is per row no larger than without them when
     every candidate is judged, and no larger in total with the default screen (2 finalists)."""
-    from kimi_quant.quant import gptq as G
+    from kimi_quant.quant import gptq as G, gptq_clip as C, gptq_factor as F, gptq_judge as J
 
     w, H = _mxfp4_grid_weight(seed), _problem(seed, kind)[1]
     g = get_codec("W4A8_DYNAMIC").data_free_codes(w, "gate")[0]
     ratios = tuple(r for r in G.CLIP_RATIOS if r != 1.0)
-    judge = G._Judge(w, H, torch.device("cpu"))
+    judge = J.Judge(w, H, torch.device("cpu"))
 
     def err(grid):
-        return weighted_error(w, G.values_of(np.clip(np.rint(w / grid.scale), -8, 7), grid), H)
+        return weighted_error(w, J.values_of(np.clip(np.rint(w / grid.scale), -8, 7), grid), H)
 
-    plain_all = err(G._clip_before(w, g, ratios, judge, [], finalists=8))
-    pow2_all_grid = G._clip_before(w, g, ratios, judge, [], finalists=8, pow2=True)
+    plain_all = err(C.clip_before(w, g, ratios, judge, [], finalists=8))
+    pow2_all_grid = C.clip_before(w, g, ratios, judge, [], finalists=8, pow2=True)
     pow2_all = err(pow2_all_grid)
     assert (pow2_all <= plain_all * (1 + 1e-6)).all()
     mantissa = np.frexp(pow2_all_grid.scale[:, 0])[0]
     assert (mantissa == 0.5).sum() > (np.frexp(g.scale[:, 0])[0] == 0.5).sum()  # powers of two were chosen
     assert pow2_all.sum() < plain_all.sum()
 
-    plain = err(G._clip_before(w, g, ratios, judge, [], finalists=2))
-    pow2 = err(G._clip_before(w, g, ratios, judge, [], finalists=2, pow2=True))
+    plain = err(C.clip_before(w, g, ratios, judge, [], finalists=2))
+    pow2 = err(C.clip_before(w, g, ratios, judge, [], finalists=2, pow2=True))
     assert pow2.sum() <= plain.sum() * (1 + 1e-4)
     assert pow2.sum() <= pow2_all.sum() * 1.02  # the screen keeps (nearly) the exhaustive choice
 

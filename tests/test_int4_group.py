@@ -214,7 +214,8 @@ def test_group_beats_per_channel_on_weight_error_and_dequantize_prefixed_follows
 def test_gptq_on_the_group_grid():
     """The calibrated path works on per-group grids: same format, codes on the data-free group scales,
     never worse than the data-free codes on the input-weighted error (the guard)."""
-    from kimi_quant.quant.gptq import gptq_quantize, weighted_error
+    from kimi_quant.quant.gptq import gptq_quantize
+    from kimi_quant.quant.gptq_judge import weighted_error
 
     rng = np.random.default_rng(11)
     N, K = 32, 256

@@ -14,6 +14,7 @@ from kimi_quant.errors import KimiQuantError
 from kimi_quant.model.presets import preset_config
 from kimi_quant.model.spec import spec_from_config
 from kimi_quant.runtime import forward as fw
+from kimi_quant.runtime.supported import check_supported
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config  # noqa: E402
@@ -98,14 +99,14 @@ def test_groups_change_the_choice():
 def test_unsupported_settings_are_refused(extra, needle):
     cfg = _our_cfg(16, 1, 1, 4, **extra)
     with pytest.raises(KimiQuantError, match="cannot run this model as configured") as ei:
-        fw.check_supported(cfg)
+        check_supported(cfg)
     assert needle in str(ei.value) and "\n" not in str(ei.value)
 
 
 def test_supported_presets_pass():
     for name in ("tiny", "bench", "full"):
-        fw.check_supported(spec_from_config(preset_config(name)).text)
-    fw.check_supported(_our_cfg(64, 8, 4, 8, n_group=8))
+        check_supported(spec_from_config(preset_config(name)).text)
+    check_supported(_our_cfg(64, 8, 4, 8, n_group=8))
 
 
 @pytest.mark.parametrize("command", ["validate", "convert"])

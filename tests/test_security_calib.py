@@ -20,6 +20,7 @@ from conftest import error_line, fresh_copy, kq, snapshot  # noqa: E402
 
 from kimi_quant.calibrate import CalibConfig  # noqa: E402
 from kimi_quant.calibrate import run as calib_run  # noqa: E402
+from kimi_quant.calibrate import state as calib_state  # noqa: E402
 from kimi_quant.convert import ConvertOptions, convert  # noqa: E402
 from kimi_quant.layout.ascend_v1 import PROVENANCE  # noqa: E402
 from kimi_quant.synth import synth  # noqa: E402
@@ -130,7 +131,7 @@ def _forge(out: Path, edit) -> None:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
     edit(tensors, meta)
     meta.pop("digest")
-    meta["digest"] = calib_run._state_digest(tensors, meta)
+    meta["digest"] = calib_state.state_digest(tensors, meta)
     path.write_bytes(save(tensors, metadata=meta))
 
 

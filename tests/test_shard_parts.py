@@ -357,16 +357,48 @@ def test_many_shards_run_whole_and_only_the_tail_is_split(src, tmp_path, monkeyp
         return real(*a, **kw)
 
     monkeypatch.setattr(sched, "OpenShard", spy)
-    ref = streamed(src, "a3", 1_000_000, tmp_path / "ref")
+    shard = 700_000  # the last shard quantizes most of its bytes (at 1 MB it holds only copied FLOAT tensors)
+    ref = streamed(src, "a3", shard, tmp_path / "ref")
     out = tmp_path / "out"
-    convert(str(src), ConvertOptions(target="a3", output=out, workers=2, quiet=True, max_shard_size=1_000_000))
+    convert(str(src), ConvertOptions(target="a3", output=out, workers=2, quiet=True, max_shard_size=shard))
     assert shards(out) == ref
     assert len(kinds) == len(ref) >= 3
     assert kinds == [True] * (len(ref) - 1) + [False]  # with 2 workers only the last shard is split
     kinds.clear()
     out1 = tmp_path / "one-worker"
-    convert(str(src), ConvertOptions(target="a3", output=out1, workers=1, quiet=True, max_shard_size=1_000_000))
+    convert(str(src), ConvertOptions(target="a3", output=out1, workers=1, quiet=True, max_shard_size=shard))
     assert shards(out1) == ref and all(kinds)  # one worker never splits: no cost over the streaming writer
+
+
+def test_a_shard_of_copied_bytes_is_one_job_whatever_is_left(tmp_path, monkeypatch):
+    """950dt from the released layout copies the MXFP4 experts as they are: the shard's sha256, on one
+    thread however split, bounds it, so even the run's last (here only) shard is one whole job, written
+    on one core and hashed on another, with the streaming writer's bytes. A BF16 source's is split."""
+    from kimi_quant.executor import shards as sched
+
+    kinds = []
+    real = sched.OpenShard
+
+    def spy(*a, **kw):
+        kinds.append(kw.get("whole", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sched, "OpenShard", spy)
+    released = synth("tiny", tmp_path / "released", experts="mxfp4")
+    bf16 = synth("tiny", tmp_path / "bf16")
+    for src, whole in ((released, True), (bf16, False)):
+        source = open_source(str(src))
+        try:
+            (unit,) = build_plan(source, "950dt").units
+        finally:
+            source.close()
+        assert sched.copies_mostly(unit) is whole
+        kinds.clear()
+        out = tmp_path / f"out-{src.name}"
+        convert(str(src), ConvertOptions(target="950dt", output=out, workers=2, quiet=True))
+        assert kinds == [whole]
+        assert shards(out) == streamed(src, "950dt", DEFAULT_MAX_SHARD_SIZE, tmp_path / f"ref-{src.name}")
+        assert not list(out.glob("*.partial"))
 
 
 def _vm_flags_of(m) -> list[str]:

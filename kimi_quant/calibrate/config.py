@@ -17,6 +17,10 @@ MIN_TOKENS = 64
 #: GPTQConfig's defaults, for --help without importing torch (tests/test_cli_options.py checks they agree)
 GPTQ_DEFAULTS = {"act_order": True, "damp": 0.01}
 PROPAGATE = ("quantized", "bf16")
+#: which tokens a routed expert's Hessian sees: those the router sends it, or every token of the layer's input
+#: (its output still follows the router): more statistics for cold experts, at the cost of running every expert
+#: of a batch on every token once more
+EXPERT_TOKENS = ("routed", "all")
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,8 @@ class CalibConfig:
     """``calibration``: a file or shipped set (see :func:`kimi_quant.runtime.text.load_texts`);
     ``tokens``: how many tokens of it; ``act_order`` / ``damp`` / ``device``: GPTQ settings (None:
     the GPTQ defaults); ``propagate``: the state carried to the next layer comes from the layer as
-    quantized (``quantized``, GPTQ's sequential rule) or from the BF16 layer (``bf16``)."""
+    quantized (``quantized``, GPTQ's sequential rule) or from the BF16 layer (``bf16``); ``expert_tokens``:
+    one of ``EXPERT_TOKENS``."""
 
     calibration: str = DEFAULT_TEXT
     tokens: int = DEFAULT_TOKENS
@@ -35,11 +40,15 @@ class CalibConfig:
     min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
     expert_batch: int = DEFAULT_EXPERT_BATCH
     propagate: str = "quantized"
+    expert_tokens: str = "routed"
 
     def describe(self) -> dict:
         """What identifies the calibration (in the plan fingerprint and the provenance); ``device``
-        and ``expert_batch`` are left out: they change where and how fast, not the bytes."""
+        and ``expert_batch`` are left out: they change where and how fast, not the bytes; ``expert_tokens`` only
+        when it is ``all`` (outputs calibrated on routed tokens keep their fingerprint)."""
         d = asdict(self)
         d.pop("device")
         d.pop("expert_batch")
+        if d["expert_tokens"] == "routed":
+            d.pop("expert_tokens")
         return d

@@ -3,10 +3,12 @@
 The run (calibrate/run.py) is one driver, layer by layer, and GPTQ jobs spread over the workers:
 
 * the driver runs the forward of the calibration tokens through every layer, serially, on its own
-  threads (``min(workers, cores of this machine)``): per layer the attention twice (observed, then
+  threads (``min(workers, cores of this machine)``: while it runs no GPTQ job is outstanding, so it has the
+  run's cores; run.forward_threads): per layer the attention twice (observed, then
   re-run quantized), the MLP twice (observed, and the output from the bytes written) and once more
   per further batch of routed experts, and it forms the Hessians (``2 K^2`` per token per distinct
-  input, a routed expert only from its own tokens, k/E of them);
+  input, a routed expert only from its own tokens, k/E of them, or with ``--expert-tokens all`` from every
+  token, each routed expert then running once more on every token to be observed);
 * the GPTQ jobs of one stage (a layer's attention, its dense or non-routed MLP Linears, one batch of
   ``expert_batch`` routed experts) run at once over the workers: the stage takes
   ``max(sum of its jobs / workers, its longest job)``; local workers are capped at this machine's
@@ -256,18 +258,19 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
 
 
 def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local",
-             driver_threads: int | None = None) -> dict:
+             driver_cores: int | None = None) -> dict:
     """{hours, wall_seconds, parts of the time, driver and worker memory, ...} of a calibrated conversion of
-    ``plan`` with ``workers`` on ``executor``; the driver (its forward) runs here, on ``driver_threads``
-    (default: ``min(workers, this machine's cores)``, as the run sets them)."""
+    ``plan`` with ``workers`` on ``executor``; the driver (its forward) runs on ``min(workers, driver_cores)``
+    threads, as the run sets them (``driver_cores``: the driving machine's cores, default this one's; local
+    workers are capped at them too). Rates are this machine's, per core."""
     import torch
 
     t = spec.text
     T = cfg.tokens
     k, E = t.num_experts_per_token, t.num_experts
-    cores = os.cpu_count() or 1
+    cores = driver_cores or os.cpu_count() or 1
     gptq_workers = max(1, min(workers, cores) if executor == "local" else workers)
-    threads = max(1, driver_threads or min(workers, cores))  # the driver's forward
+    threads = max(1, min(workers, cores))  # the driver's forward
     fp32 = _rate(torch.float32)
     op_s, elem_s = _overheads()
     linears = _linears(plan, spec)
@@ -291,8 +294,11 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     fwd_flops = hess_flops = 0.0
     layers = t.num_hidden_layers
     n_batches = -(-E // max(1, cfg.expert_batch)) if E else 0
-    for tp, N, K, layer, stage, _, _ in linears:
+    every = cfg.expert_tokens == "all"
+    for tp, N, K, layer, stage, _, shares in linears:
         share = k / E if stage == EXPERTS else 1.0
+        if stage == EXPERTS and every and shares:  # w1 / w3 run on every token to give w2 its observed input
+            fwd_flops += 2 * N * K * T
         if layer == GLOBAL:
             passes = 1.0
         elif stage == EXPERTS:  # observed with every expert, once in its own batch, then the output
@@ -304,7 +310,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
         fwd_flops += 2 * N * K * share * passes * T
     for keys in hess.values():
         for key, K in keys.items():
-            hess_flops += 2 * K * K * T * (k / E if key[1] == EXPERTS else 1.0)
+            hess_flops += 2 * K * K * T * (k / E if key[1] == EXPERTS and not every else 1.0)
     windows = max(1, T // cfg.seq_len)
     mla_layers = sum(1 for i in range(layers) if not (t.is_kda(i) and not t.is_full_attn(i)))
     kda_layers = layers - mla_layers
@@ -340,6 +346,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
             "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
             "max_parallel_jobs": max((len(js) for js in jobs.values()), default=0),
+            "expert_tokens": cfg.expert_tokens, "expert_tokens_mean": (T if every else T * k / E) if E else 0,
             "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
             "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(biggest),

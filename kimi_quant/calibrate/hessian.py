@@ -5,7 +5,7 @@ For a Linear ``y = x W^T`` with inputs x_1..x_n (the calibration tokens that rea
 attention, w1/w3 of one expert) share one accumulator: the product is formed once.
 Each call's product ``x^T x`` is formed in float32 (half the time of float64; bf16 inputs make every
 term exact, only the sum over that call's tokens rounds: ~1e-6 relative) and added to a float64 sum.
-Above ``gptq.FLOAT64_MAX_K`` inputs (a dense MLP's down projection, K ~ 34k: 9 GB in float64) the
+Above ``gptq_factor.FLOAT64_MAX_K`` inputs (a dense MLP's down projection, K ~ 34k: 9 GB in float64) the
 sum itself is float32, accumulated in place (``addmm_``), and handed to GPTQ as it is, divided in
 place: one K x K float32 matrix for the Hessian's whole life (GPTQ works in float32 at that size).
 """
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from ..quant.gptq import FLOAT64_MAX_K
+from ..quant.gptq_factor import FLOAT64_MAX_K
 
 
 class HessianCollector:

@@ -15,6 +15,7 @@ together (``shared_hessian_groups``): it factors that Hessian once for all of th
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -165,19 +166,23 @@ class ProcessRunner(SerialRunner):
     def __init__(self, workers: int):
         self.workers = max(1, int(workers))
         self._pool: ProcessPoolExecutor | None = None
+        self._opening = threading.Lock()
         self.restarts = 0
 
     def _open(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            from ..executor.fork_server import start_fork_server
+        with self._opening:
+            if self._pool is None:
+                from ..executor.fork_server import start_fork_server
 
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=start_fork_server())
-            for _ in range(self.workers):  # torch and GPTQ load in every worker while the driver runs a forward
-                self._pool.submit(_warm_up)
-        return self._pool
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=start_fork_server())
+                for _ in range(self.workers):  # torch and GPTQ load in every worker while the driver runs a forward
+                    self._pool.submit(_warm_up)
+            return self._pool
 
     def __enter__(self):
-        self._open()
+        # Started beside the driver: the first worker waits for the fork server to import torch and the
+        # kernels (seconds), which the driver's first forward need not wait for
+        threading.Thread(target=self._open, name="kimi-quant-gptq-workers", daemon=True).start()
         return self
 
     def _submit(self, group: list[GPTQJob]) -> Future:
@@ -226,7 +231,8 @@ class ProcessRunner(SerialRunner):
         return sorted(procs)
 
     def close(self, abort: bool = False) -> None:
-        pool, self._pool = self._pool, None
+        with self._opening:  # not while the pool is being opened
+            pool, self._pool = self._pool, None
         if pool is None:
             return
         if abort:

@@ -19,7 +19,9 @@ Hessians live only while that layer is quantized.
 GPTQ runs on a runner (``jobs``: this process, local worker processes; ``ray_jobs``: Ray tasks): all the
 Linears of a stage (attention side; the MLP's non-routed Linears with the first batch of experts; each further
 batch of experts) are handed out at once and written back in plan order as their results arrive. The forward
-runs here, on one thread.
+and the Hessians run here, between the stages (no GPTQ job outstanding), on the cores the run was given
+(``forward_threads``: torch's intra-op threads; one thread while jobs run). Its products give the same bits on
+any number of threads, so the bytes do not depend on it either.
 
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;
@@ -35,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -44,7 +47,7 @@ from pathlib import Path
 import torch
 
 from ..errors import KimiQuantError
-from ..layout.ascend_v1 import CALIB_STATE, PROVENANCE
+from ..layout.ascend_v1 import PROVENANCE
 from ..model.spec import load_model_spec_from_source
 from ..output_run import ConvertResult, check_window, finish_output, resume_output
 from ..plan import Plan, TensorPlan, UnitPlan
@@ -54,14 +57,14 @@ from ..recipe.recipe import FLOAT
 from ..runtime import forward as fw
 from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
-from ..write import write_atomic
 from .config import MIN_TOKENS, CalibConfig
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
+from .phases import Phases
+from .state import STATE_FILE, load_state, save_state, state_binding
 from .layer_io import Overlay, Readback, SourceWeights, UnitWriter, dequantized
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
-STATE_FILE = CALIB_STATE
 ROLES = {ATTENTION: "attention", MLP: "mlp", EXPERTS: "expert"}  # a GPTQ job's role, by stage
 log = logging.getLogger(__name__)
 
@@ -126,6 +129,17 @@ def gptq_config(cfg: CalibConfig) -> GPTQConfig:
     return GPTQConfig(**{k: v for k, v in given.items() if v is not None})
 
 
+def forward_threads(executor: str, workers: int | None) -> int:
+    """The driver's threads for its forward: the cores the run was given on this machine (``--workers``, at most
+    this machine's cores; Ray's workers are elsewhere or idle while the forward runs, so the same bound).
+    The bytes do not depend on it: every op the forward issues gives the same result on any number of
+    threads (tests/test_calibrate_parallel.py checks the forward's products bit for bit)."""
+    from ..executor.fork_server import default_workers
+
+    cores = os.cpu_count() or 1
+    return max(1, min(int(workers or default_workers()), cores))
+
+
 def make_runner(executor: str, workers: int | None, options: dict | None = None):
     """The runner of ``convert --calibrate --executor E --workers N`` (local: one process per core by default;
     one worker runs in this process)."""
@@ -147,12 +161,23 @@ class _Quantizer:
     """Writes a run of tensors: GPTQ (on the runner, all of them at once) where a Linear has a Hessian, the
     data-free rule elsewhere; keeps the counts the run reports."""
 
-    def __init__(self, cfg: CalibConfig, runner):
+    def __init__(self, cfg: CalibConfig, runner, forward_threads: int = 1):
         self.cfg = cfg
         self.gptq = gptq_config(cfg)
         self.runner = runner
+        self.forward_threads = forward_threads
+        self.phases = Phases()
         self.stats = {"gptq_tensors": 0, "data_free_tensors": 0, "routed_experts": 0, "fallback_experts": 0,
                       "never_routed_experts": 0, "all_token_experts": 0}
+        self.expert_tokens: list[int] = []  # tokens each routed expert's Hessian saw, in run order
+
+    def final_stats(self) -> dict:
+        """The counts, with the fewest and the median tokens a routed expert's Hessian saw."""
+        out = dict(self.stats)
+        if self.expert_tokens:
+            out["expert_tokens_min"] = min(self.expert_tokens)
+            out["expert_tokens_median"] = int(statistics.median_low(self.expert_tokens))
+        return out
 
     def write(self, writer: UnitWriter, ts: list[TensorPlan], hessian_of: dict, role: dict[str, str]) -> dict:
         """Write ``ts`` in plan order; ``hessian_of[name]``: a callable giving its Hessian (absent: the data-free
@@ -173,8 +198,9 @@ class _Quantizer:
         def jobs():  # read as the runner takes them: only its window of weights is held at once
             for t in ts:
                 if t.name in calibrated:
-                    w = source_f32(writer.reader, t)
-                    release_source(writer.reader, t)
+                    with self.phases("read"):
+                        w = source_f32(writer.reader, t)
+                        release_source(writer.reader, t)
                     gptq = self.gptq
                     if t.packed or on_mxfp4_grid(w):
                         # decoded from MXFP4 (a packed source or its BF16 decoding: the same bytes either way): each
@@ -184,97 +210,27 @@ class _Quantizer:
                                   hessian_of[t.name](), gptq)
 
         results = self.runner.run(jobs())
+        outs = {}
         try:
-            return {t.name: writer.put(t, next(results) if t.name in calibrated else None) for t in ts}
+            for t in ts:
+                with self.phases("gptq"):  # in this process (1 worker), else waiting for the workers
+                    got = next(results) if t.name in calibrated else None
+                with self.phases("write"):
+                    outs[t.name] = writer.put(t, got)
+            return outs
         finally:
             results.close()
 
-
-# -- the state checkpoint ------------------------------------------------------------------------------
-def state_binding(fingerprint: str, made_from: dict[str, dict[str, str]], info: dict, cfg: CalibConfig) -> str:
-    """What a saved state was computed from: the conversion (plan fingerprint), the identity of every
-    source shard, the calibration tokens' digest and the calibration settings. A state saved under
-    another binding is another computation's: never resumed from."""
-    inputs = {f: ident for m in made_from.values() for f, ident in m.items()}
-    ident = {"fingerprint": fingerprint, "inputs": dict(sorted(inputs.items())),
-             "token_sha256": info.get("token_sha256"), "calibration": cfg.describe()}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _state_digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
-    h = hashlib.sha256(json.dumps(meta, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"\0{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _save_state(out_dir: Path, binding: str, layer: int, states: list, stats: dict) -> None:
-    from safetensors.torch import save
-
-    tensors = {}
-    for b, st in enumerate(states):
-        tensors[f"x.{b}"] = st.x.contiguous()
-        for k, blk in enumerate(st.blocks):
-            tensors[f"blocks.{b}.{k}"] = blk.contiguous()
-    bad = next((n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
-    if bad is not None:  # a NaN state would be resumed from forever, blamed on the source: never saved
-        raise KimiQuantError(f"calibration: the activations after layer {layer} hold a NaN or Inf ({bad}): the "
-                             "source's weights of that layer overflow in the BF16 forward; it cannot be calibrated "
-                             "(convert without --calibrate)")
-    meta = {"binding": binding, "layer": str(layer), "batches": str(len(states)),
-            "stats": json.dumps(stats, sort_keys=True)}
-    meta["digest"] = _state_digest(tensors, meta)
-    write_atomic(out_dir / STATE_FILE, save(tensors, metadata=meta))
-
-
-def _load_state(out_dir: Path, binding: str, windows: list[torch.Tensor]):
-    """(layer, states, stats) from a checkpoint of this very computation, else None: one saved under
-    another binding (another source, calibration text or setting), failing its own digest, with
-    another number of batches or shapes than ``windows``, or holding a NaN is discarded, with one line."""
-    from safetensors import safe_open
-
-    path = out_dir / STATE_FILE
-    if not os.path.lexists(path):
-        return None
-    why = None
-    try:
-        if path.is_symlink() or not path.is_file():
-            raise ValueError("not a plain file")
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("binding") != binding:
-                raise ValueError("it was computed from other inputs (the source's shards, the calibration text "
-                                 "or its settings changed)")
-            layer, nb = int(meta["layer"]), int(meta["batches"])
-            if nb != len(windows):
-                raise ValueError(f"it holds {nb} batches, the calibration has {len(windows)}")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        if meta.get("digest") != _state_digest(tensors, {k: v for k, v in meta.items() if k != "digest"}):
-            raise ValueError("its digest does not match its content")
-        states = []
-        for b in range(nb):
-            x = tensors[f"x.{b}"]
-            if tuple(x.shape[:2]) != tuple(windows[b].shape[:2]):
-                raise ValueError(f"batch {b} has shape {list(x.shape)}, its tokens {list(windows[b].shape)}")
-            blocks, k = [], 0
-            while f"blocks.{b}.{k}" in tensors:
-                blocks.append(tensors[f"blocks.{b}.{k}"])
-                k += 1
-            states.append(fw.State(x, blocks))
-        if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
-            raise ValueError("it holds a NaN or Inf")
-        stats = json.loads(meta.get("stats", "{}"))
-        if not isinstance(stats, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0
-                                                  for k, v in stats.items()):
-            raise ValueError("its counts are not counts")
-        return layer, states, stats
-    except Exception as e:  # noqa: BLE001 - a torn, foreign or stale file: start over (it is only a shortcut)
-        why = " ".join(str(e).split())[:160] or type(e).__name__
-    log.warning("kimi-quant: warning: %s discarded (%s); the calibration starts again from the first layer",
-                path, why)
-    return None
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """A section of the driver's forward: no GPTQ job is outstanding, so it has the run's cores (torch's
+        intra-op threads; the stage's GPTQ jobs run on one thread each, with these set back to one)."""
+        with self.phases("forward"):
+            torch.set_num_threads(self.forward_threads)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(1)
 
 
 # -- the driver --------------------------------------------------------------------------------------------
@@ -289,13 +245,14 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     cfg: CalibConfig = opts.calibrate
     spec = load_model_spec_from_source(source, recipe_given=True)
     tcfg = spec.text
-    # One thread: the GPTQ workers have the cores, and torch's idle intra-op threads would spin on them
+    # One thread, but in the forward (_Quantizer.forward): the GPTQ workers have the cores, and torch's idle
+    # intra-op threads would spin on them
     torch.set_num_threads(1)
     r = resume_output(source, plan, out_dir, journal, opts, all_inputs=True)
     check_window(source.max_disk, r.todo, r.entries)  # the same --max-disk bound as a data-free run
     info = dict(plan.extra["calibration"])
     binding = state_binding(plan.fingerprint(), r.made_from, info, cfg)
-    quant = _Quantizer(cfg, None)
+    quant = _Quantizer(cfg, None, forward_threads(opts.executor, opts.workers))
     layers_done = 0
     total = sum(u.in_bytes for u in r.todo)
     bar = (NoBar(total) if opts.quiet or total == 0 else
@@ -311,9 +268,11 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
         weights.close()
     if layers_done == 0 and not r.todo:
         quant.stats = _previous_stats(out_dir) or quant.stats
-    info["stats"] = quant.stats
-    finish_output(source, plan, out_dir, journal, opts, r, {"calibration": info})
-    (out_dir / STATE_FILE).unlink(missing_ok=True)
+    info["stats"] = quant.final_stats()
+    with quant.phases("finish"):
+        finish_output(source, plan, out_dir, journal, opts, r, {"calibration": info})
+        (out_dir / STATE_FILE).unlink(missing_ok=True)
+    quant.phases.save(time.perf_counter() - t0, {"forward_threads": quant.forward_threads})
     return ConvertResult(plan, out_dir, time.perf_counter() - t0, len(r.todo), len(r.done),
                          sum(u.in_bytes for u in r.todo), source.peak_staged_bytes, info)
 
@@ -324,16 +283,18 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
     cfg: CalibConfig = quant.cfg
     n_layers = tcfg.num_hidden_layers
     by_layer = units_by_layer(plan, spec)
-    resumed = _load_state(out_dir, binding, windows)
+    resumed = load_state(out_dir, binding, windows)
     start, states = 0, None
     if resumed is not None:
-        layer, saved, stats = resumed
+        layer, saved, stats, expert_tokens = resumed
         if all(u.file in r.done for L in range(layer + 1) for u in by_layer.get(L, [])):
             start, states = layer + 1, saved
             quant.stats.update((k, v) for k, v in stats.items() if k in quant.stats)
+            quant.expert_tokens = expert_tokens
     if states is None:
         gw, _ = weights.globals(EMBED_NAMES)
-        states = [fw.embed(gw, b) for b in windows]
+        with quant.forward():
+            states = [fw.embed(gw, b) for b in windows]
         del gw
     source.prefetch(plan.source_order())
     last_use = _last_use(plan, spec, n_layers)
@@ -341,11 +302,13 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
         bar.set_postfix_str(f"layer {i + 1}/{n_layers}", refresh=True)  # the layer being worked on, 1-based
         writer = UnitWriter(out_dir, by_layer.get(i, []), journal, r.made_from, weights, bar.update)
         try:
-            states = _layer(tcfg, i, weights, states, writer, quant, cfg, out_dir, by_layer.get(i, []), spec)
+            with quant.phases("layers"):  # what the phases inside leave out: Python, the weights' reads
+                states = _layer(tcfg, i, weights, states, writer, quant, cfg, out_dir, by_layer.get(i, []), spec)
         except BaseException:
             writer.abort()
             raise
-        _save_state(out_dir, binding, i, states, quant.stats)
+        with quant.phases("state"):
+            save_state(out_dir, binding, i, states, quant.stats, quant.expert_tokens)
         _release(source, weights, last_use, i)
     writer = UnitWriter(out_dir, by_layer.get(GLOBAL, []), journal, r.made_from, weights, bar.update)
     try:
@@ -389,8 +352,10 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     by_stage = {s: [t for t in tensors if stage[t.name][0] == s] for s in (ATTENTION, MLP, EXPERTS)}
     quantized = lambda ts: [rel[t.name] for t in ts if t.scheme != FLOAT]  # noqa: E731
     propagate = cfg.propagate == "quantized"
+    all_tokens = cfg.expert_tokens == "all"
     act = {rel[t.name]: REGISTRY[t.scheme].activation for t in tensors if t.scheme != FLOAT and propagate}
     coll = HessianCollector()
+    observer = quant.phases.observer(coll)
     deq: dict[str, torch.Tensor] = {}
 
     def emit(ts: list[TensorPlan], min_tokens: dict[str, int]) -> None:
@@ -420,17 +385,20 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
                 elif n < cfg.min_expert_tokens:
                     quant.stats["fallback_experts"] += 1
                 if n < cfg.min_expert_tokens and _mxfp4_expert(expert_tensors[e], w_src, rel):
-                    on_all.append(e)
+                    on_all.append(e)  # its Hessian's tokens are counted once observed on all of them
+                else:
+                    quant.expert_tokens.append(n)
             floor.update((t.name, cfg.min_expert_tokens) for t in expert_tensors[e])
         return floor, on_all
 
     # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
     coll.want(quantized(by_stage[ATTENTION]))
-    with fw.observe_linear_inputs(coll):
+    with quant.forward(), fw.observe_linear_inputs(observer):
         parts = fw.layers_attention(tcfg, i, w_src, states)
     emit(by_stage[ATTENTION], {})
     if propagate and deq:
-        parts = fw.layers_attention(tcfg, i, Overlay(w_src, deq), states, act)
+        with quant.forward():
+            parts = fw.layers_attention(tcfg, i, Overlay(w_src, deq), states, act)
     # 2. the MLP: non-routed Linears and the first batch of experts in one full pass (and one set of GPTQ
     # jobs), then the other batches of experts
     experts = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
@@ -438,14 +406,14 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     expert_tensors = {e: [t for t in by_stage[EXPERTS] if stage[t.name][1] == e] for e in experts}
     coll.want(quantized(by_stage[MLP]))
     coll.want(n for e in batches[0] for n in quantized(expert_tensors[e]))
-    with fw.observe_linear_inputs(coll):
-        out_bf16 = fw.layers_mlp(tcfg, i, w_src, parts)
+    with quant.forward(), fw.observe_linear_inputs(observer):
+        out_bf16 = fw.layers_mlp(tcfg, i, w_src, parts, observe_every_token=batches[0] if all_tokens else ())
     h2ns = [h2n for _, _, h2n in parts]
     for j, batch in enumerate(batches):
         if j:
             coll.want(n for e in batch for n in quantized(expert_tensors[e]))
-            with fw.observe_linear_inputs(coll):
-                fw.moe_many(tcfg, w_src, h2ns, experts=set(batch))
+            with quant.forward(), fw.observe_linear_inputs(observer):
+                fw.moe_many(tcfg, w_src, h2ns, experts=set(batch), observe_every_token=batch if all_tokens else ())
         floor, on_all = count_experts(batch)
         if on_all:
             # the data-free int4 rule cannot hold MXFP4 values and the plan fixed int4 for the whole fused MoE
@@ -453,10 +421,11 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
             names = [n for e in on_all for n in quantized(expert_tensors[e])]
             coll.drop(names)
             coll.want(names)
-            with fw.observe_linear_inputs(coll):
-                fw.experts_on_all_tokens(tcfg, w_src, h2ns, on_all)
+            with quant.forward(), fw.observe_linear_inputs(observer):
+                fw.moe_many(tcfg, w_src, h2ns, experts=set(on_all), observe_every_token=on_all)
             floor.update((t.name, 0) for e in on_all for t in expert_tensors[e])
             quant.stats["all_token_experts"] += len(on_all)
+            quant.expert_tokens += [max(coll.tokens(n) for n in quantized(expert_tensors[e])) for e in on_all]
         ts = [t for e in batch for t in expert_tensors[e]]
         emit((by_stage[MLP] if j == 0 else []) + ts, floor)
     if writer.next_tensor() is not None:
@@ -466,7 +435,8 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     # 3. the layer's output as the device will compute it: dequantized weights, activation fake-quant
     readback = Readback(out_dir, units, spec)
     try:
-        return fw.layers_mlp(tcfg, i, Overlay(w_src, deq, readback), parts, act)
+        with quant.forward():
+            return fw.layers_mlp(tcfg, i, Overlay(w_src, deq, readback), parts, act)
     finally:
         readback.close()
 
@@ -488,7 +458,7 @@ def _globals(tcfg, weights: SourceWeights, states: list, writer: UnitWriter, qua
     if wanted:
         coll.want(wanted)
         gw, gact = weights.globals(HEAD_NAMES)
-        with fw.observe_linear_inputs(coll):
+        with quant.forward(), fw.observe_linear_inputs(quant.phases.observer(coll)):
             for st in states:
                 fw.head(tcfg, gw, st)
         del gw

@@ -64,7 +64,7 @@ def _collector_paused():
 def convert(source, target, recipe, overrides, max_shard_size, revision, group_size, output, workers, executor,
             ray_address, overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs,
             quiet, hub_revision=None, calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None,
-            device="cpu", min_expert_tokens=None):
+            device="cpu", min_expert_tokens=None, expert_tokens=None):
     """Convert SOURCE (a local directory or a hub repo id) for a device family.
 
     Re-running the same command after an interruption resumes: completed output shards are
@@ -111,7 +111,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
         gc.freeze()  # this process's modules live to its end: its full collections need not walk them
     if do_validate:  # a model validation cannot run is refused before the conversion, not after it
         from ..model.spec import load_model_spec
-        from ..runtime.forward import check_supported
+        from ..runtime.supported import check_supported
 
         check_supported(load_model_spec(Path(source).expanduser()).text)
     source_options = {}
@@ -123,7 +123,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
                           overwrite=overwrite, quiet=quiet, revision=revision, source_options=source_options,
                           hash_inputs=hash_inputs, group_size=group_size,
                           calibrate=calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
-                                                  min_expert_tokens))
+                                                  min_expert_tokens, expert_tokens))
     res = run_convert(source, opts)
     p = res.plan
     if not quiet:

@@ -85,7 +85,7 @@ def open_named_source(source, revision, work_dir=None):
 
 
 def calibration_options(f):
-    from ..calibrate.config import DEFAULT_MIN_EXPERT_TOKENS, DEFAULT_TEXT, DEFAULT_TOKENS, GPTQ_DEFAULTS
+    from ..calibrate.config import DEFAULT_MIN_EXPERT_TOKENS, DEFAULT_TEXT, DEFAULT_TOKENS, EXPERT_TOKENS, GPTQ_DEFAULTS
 
     for deco in reversed([
         click.option("--calibrate", is_flag=True,
@@ -110,18 +110,24 @@ def calibration_options(f):
         click.option("--min-expert-tokens", type=click.IntRange(min=1), default=None, metavar="N",
                      help=f"With --calibrate: a routed expert that saw fewer tokens keeps the data-free rule "
                           f"[default: {DEFAULT_MIN_EXPERT_TOKENS}]; the run says how many did."),
+        click.option("--expert-tokens", type=click.Choice(EXPERT_TOKENS), default=None,
+                     help="With --calibrate: the tokens a routed expert's Hessian sees: those routed to it, or all "
+                          "of the layer's input tokens (the layer's output still follows the router) "
+                          "[default: routed]."),
     ]):
         f = deco(f)
     return f
 
 
-def calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens):
+def calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
+                 expert_tokens=None):
     """A CalibConfig for --calibrate (None without it; calibration options without it are refused)."""
     from ..calibrate import CalibConfig
 
     given = [n for n, v in (("--calibration-data", calibration), ("--tokens", calib_tokens),
                             ("--act-order/--no-act-order", act_order), ("--damp", damp),
-                            ("--min-expert-tokens", min_expert_tokens)) if v is not None]
+                            ("--min-expert-tokens", min_expert_tokens), ("--expert-tokens", expert_tokens))
+             if v is not None]
     if device != "cpu":
         given.append("--device")
     if not calibrate:
@@ -138,7 +144,8 @@ def calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, 
     base = CalibConfig()
     return CalibConfig(calibration=calibration or base.calibration, tokens=calib_tokens or base.tokens,
                        act_order=act_order, damp=damp, device=device,
-                       min_expert_tokens=min_expert_tokens or base.min_expert_tokens)
+                       min_expert_tokens=min_expert_tokens or base.min_expert_tokens,
+                       expert_tokens=expert_tokens or base.expert_tokens)
 
 
 def is_local_dir(source: str) -> bool:

@@ -23,6 +23,10 @@ from .params import (SIZE_UNITS, Size, calib_config, calibration_options, count_
                    "the workers of your cluster).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Executor the estimates assume (Ray: each worker as fast as one core of this machine).")
+@click.option("--driver-cores", type=click.IntRange(min=1), default=None, metavar="N",
+              help="With --calibrate: cores of the machine that will drive the run (its forward and Hessians run "
+                   "there, and --executor local workers too), when that is not this one; rates stay this machine's "
+                   "per core. Example: --executor ray --workers 1024 --driver-cores 64 for 16 nodes of 64 cores.")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Hub sources: where shards would be staged.")
 @click.option("--max-disk", type=Size(), help=f"Hub sources: most bytes of source shards staged at once ({SIZE_UNITS}) "
               "[default: the two largest source shards, or more if one output shard needs more].")
@@ -36,9 +40,10 @@ from .params import (SIZE_UNITS, Size, calib_config, calibration_options, count_
 @click.option("--verbose", "-v", is_flag=True, help="Scheme table and the shard list as well.")
 @click.option("--remeasure", is_flag=True, help="Measure this machine's codec rates again (else the stored ones).")
 @calibration_options
-def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, work_dir, max_disk,
+def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, driver_cores,
+         work_dir, max_disk,
          link_gbps, json_path, show_shards, verbose, remeasure, quiet=False, calibrate=False, calibration=None,
-         calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None):
+         calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None, expert_tokens=None):
     """Size a conversion before running it, from headers only (no tensor data is read): output size,
     disk needed, peak memory and wall time for the given --workers/--executor, model_quant_type, and
     (-v) the scheme of every tensor group and the output shards.
@@ -54,9 +59,12 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
 
     if quiet and (verbose or show_shards):
         raise KimiQuantError(f"--quiet prints nothing: drop it or {'--verbose' if verbose else '--shards'}")
+    if driver_cores is not None and not calibrate:
+        raise KimiQuantError("--driver-cores sizes a calibrated run: add --calibrate, or drop it")
     if calibrate:
         require_torch("plan --calibrate (it measures this machine's GPTQ and forward rates)")
-    cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens)
+    cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
+                       expert_tokens)
     check_staging_options(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not is_local_dir(source)
     src = open_named_source(source, revision, work_dir if hub else None)
@@ -70,7 +78,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
                 raise KimiQuantError("--calibrate runs the Kimi K3-family forward; this model is not one")
     finally:
         src.close()
-    workers = workers or os.cpu_count() or 1
+    workers = workers or driver_cores or os.cpu_count() or 1
     if json_path:  # an unwritable path fails before anything is measured or printed
         parent = Path(json_path).expanduser().parent
         why = (errno.ENOENT if not parent.is_dir() else errno.EACCES if not os.access(parent, os.W_OK) else None)
@@ -90,7 +98,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     if cal is not None:
         from ..calibrate.estimate import estimate
 
-        cal_est = estimate(p, spec, cal, workers, executor)
+        cal_est = estimate(p, spec, cal, workers, executor, driver_cores=driver_cores)
         cal_lines = _calibrate_lines(cal_est, cal)
     if json_path:  # first: an unwritable path fails before any of the plan is printed
         from ..write import write_atomic
@@ -124,16 +132,26 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
         click.echo(f"plan written to {json_path}")
 
 
+def _expert_tokens(e: dict) -> str:
+    """What a routed expert's Hessian will see: the run's stats give the min / median it did see."""
+    if not e["expert_tokens_mean"]:
+        return ""
+    if e["expert_tokens"] == "all":
+        return f", every routed expert's Hessian from all of them (min = median = {e['expert_tokens_mean']:.0f})"
+    return (f", ~{e['expert_tokens_mean']:.0f} per routed expert on average (routed: the median is about that "
+            "with balanced routing, the min lower; the run reports both; --expert-tokens all gives every expert all)")
+
+
 def _calibrate_lines(e: dict, cal) -> list[str]:
     """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
     where = (f"{e['workers']} Ray workers" if e["executor"] == "ray" else
-             f"{e['workers']} local workers" + (f" (capped at this machine's {e['gptq_workers']} cores)"
+             f"{e['workers']} local workers" + (f" (capped at {e['gptq_workers']} cores)"
                                                 if e["gptq_workers"] < e["workers"] else ""))
     d = e["driver_memory"]
     return [f"calibrate ~{fmt_duration(e['wall_seconds'])} on {where}: start-up {fmt_duration(e['startup_s'])}, "
-            f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (serial, the driver's "
+            f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (layer by layer between the GPTQ stages, on the driver's "
             f"{e['driver_threads']} threads), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
-            f"workers, at most {e['max_parallel_jobs']} at once); {cal.tokens} tokens",
+            f"workers, at most {e['max_parallel_jobs']} at once); {cal.tokens} tokens" + _expert_tokens(e),
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
             "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
             + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",

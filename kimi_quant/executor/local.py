@@ -1,7 +1,7 @@
 """Local executor: one worker process per core (numba kernels run single-threaded in each).
 
-Processes rather than threads because the int4/MX kernels hold the GIL-free core for long
-stretches and torch/numpy intra-op threading on 2 cores was measured to be erratic.
+Processes rather than threads: the int4/MX kernels hold a core for long stretches, and torch/numpy
+intra-op threading on few cores is erratic.
 Workers are forked with the unit code imported and the kernels loaded, from the driver itself
 where that is safe, else from a fork server (``fork_server``): a worker starts in milliseconds
 instead of re-importing numpy and the kernels, missing kernels are built once (``quant.aot``),
@@ -72,9 +72,8 @@ def keep_freed_memory() -> bool:
     A worker allocates and frees the same few buffers tensor after tensor: one tensor's codes and scales,
     and up to HOLD_BYTES of them while its writer waits for a turn. By default glibc gives blocks above
     its (adaptive) mmap threshold back at once, and trims the heap's top whenever more than twice the
-    last such block is free there; each next tensor then faulted its buffers in again and the kernel
-    zeroed them. A 950dt run of the 4.5 GB bench checkpoint took 73-96k page faults
-    (44-130 of them 2 MiB pages, zeroed whole) where it now takes 51-53k (7-9)."""
+    last such block is free there; each next tensor would then fault its buffers in again and have the
+    kernel zero them (page-fault counts: docs/performance.md)."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -127,8 +126,7 @@ PROGRESS_EVERY = 0.25
 
 class _Batched:
     """A worker's progress, sent every ``PROGRESS_EVERY`` s instead of after every tensor: each put
-    wakes the queue's feeder thread, which takes the GIL from the converting thread (one put per
-    tensor cost a 950dt run ~0.1-0.25 core-s on 2 cores, measured against batched and none)."""
+    wakes the queue's feeder thread, which takes the GIL from the converting thread."""
 
     def __init__(self, put: Callable[[int], None]):
         self.put, self.pending, self.last = put, 0, time.monotonic()

@@ -2,9 +2,10 @@
 
 A unit of the plan (one output shard) is the unit of resume and of the journal. While at least as
 many shards are left as there are workers, each shard is one *whole* job: a worker writes it front
-to back, hashing as it writes, and renames it (as before shards could be split). The last shards of
-a run (all of them, when there are fewer shards than workers: any checkpoint under ~8 GB at the
-default 4 GiB) are split into *parts*, runs of consecutive tensors worth about ``PART_BYTES`` of
+to back, hashing on a second thread as it writes, and renames it (as before shards could be split).
+So is a shard whose output is mostly copied bytes (``copies_mostly``) at any point of a run. The
+other last shards of a run (all of them, when there are fewer shards than workers: any checkpoint
+under ~8 GB at the default 4 GiB) are split into *parts*, runs of consecutive tensors worth about ``PART_BYTES`` of
 input, so every core works on them. The driver opens every shard (``ShardAssembly`` writes its
 header into a temporary file with a per-run random name), hands its jobs to the executor, tells
 the assembly which byte ranges are in as parts finish (a driver thread hashes the file in order as
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..plan import TensorPlan, UnitPlan
+from ..recipe.recipe import FLOAT
 from ..source.base import Source
 from ..write import ShardAssembly, on_local_file_system
 from .base import Executor
@@ -39,6 +41,9 @@ from .base import Executor
 #: Input bytes per part: ~0.1 core-s of work, against a few ms of start-up (reader, task). Large
 #: enough that a K3.1 expert matrix is never alone, small enough that the last part of a run is short.
 PART_BYTES = 96 * 2**20
+
+#: A shard with at least this share of its output bytes copied as they are is one whole job (``copies_mostly``)
+COPIED_SHARE = 0.75
 
 #: The driver hashes each open shard on one thread (~1.8 GB/s of output, ~6 GB/s of input): enough
 #: for this many workers (~0.75 GB/s of input each); with more, finish jobs hash on the workers.
@@ -65,6 +70,16 @@ def split(tensors: list[TensorPlan], part_bytes: int, taper: int = 0) -> list[li
         size += t.in_bytes
         left -= t.in_bytes
     return parts
+
+
+def copies_mostly(unit: UnitPlan) -> bool:
+    """Whether most of ``unit``'s output is copied as it is (FLOAT tensors; MXFP4 experts repacked for
+    950dt). Writing such bytes costs a worker about what their sha256 costs (~1.6 GB/s a core), and a
+    shard's sha256 runs on one thread however the shard is split: one whole job, writing on one core
+    while its hash thread hashes on another, is as fast, with no parts, no turns at the file and no
+    second read of it."""
+    copied = sum(t.out_bytes for t in unit.tensors if t.repack or (t.scheme == FLOAT and not t.packed))
+    return copied >= COPIED_SHARE * unit.out_bytes
 
 
 class OpenShard:
@@ -142,7 +157,8 @@ def run_shards(executor: Executor, units: list[UnitPlan], out_dir: Path, source:
                 if not feeding:
                     if not pending or (opened and not source.can_stage(pending[0].needs)):
                         break  # nothing left, or its source shards would overflow staging: wait for releases
-                    whole = len(pending) >= executor.slots  # enough shards left to keep every worker busy
+                    # enough shards left to keep every worker busy, or one its sha256 bounds however split
+                    whole = len(pending) >= executor.slots or copies_mostly(pending[0])
                     unit = pending.popleft()
                     vetted = {f: source.fetch_vetted(f) for f in unit.needs}
                     paths = {f: str(path) for f, (path, _) in vetted.items()}

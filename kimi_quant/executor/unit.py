@@ -8,6 +8,7 @@ plus fixed buffers, whatever the checkpoint or shard size.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -202,7 +203,8 @@ def write_tensor(writer: ShardWriter, reader_of: Callable[[str], SafetensorsRead
         check_codec_outputs(t.scheme, t.outputs, out.values(), where)
         for (name, _, _), arr in zip(t.outputs, out.values()):
             writer.write(name, arr)
-    release_source(reader_of, t)
+    readers = [(reader_of(file), name) for name, file in t.packed or [(t.name, t.file)]]
+    writer.after_hashed(lambda: [reader.release(name) for reader, name in readers])  # it may hash source pages
     return out
 
 
@@ -218,6 +220,6 @@ def _copy_float(writer: ShardWriter, reader: SafetensorsReader, t, where: str) -
             if nonfinite(chunk, t.dtype):
                 raise BadCheckpoint(f"{where}: contains NaN or Inf")
             yield chunk
-            reader.release_range(start + i * arr.itemsize, chunk.nbytes)
+            writer.after_hashed(functools.partial(reader.release_range, start + i * arr.itemsize, chunk.nbytes))
 
     writer.write_chunks(t.outputs[0][0], chunks())

@@ -277,4 +277,8 @@ def describe_calibration(info: dict | None) -> str:
         line += (f"; {fallback} of {s['routed_experts']} routed experts fell back to the data-free rule "
                  f"({s.get('never_routed_experts', 0)} never routed, {s.get('fallback_experts', 0)} with fewer than "
                  f"{info.get('min_expert_tokens')} tokens)")
+    if "expert_tokens_min" in s:
+        every = " (every token: --expert-tokens all)" if info.get("expert_tokens") == "all" else ""
+        line += (f"; an expert's Hessian saw min {s['expert_tokens_min']} / median {s['expert_tokens_median']} "
+                 f"tokens{every}")
     return line

@@ -179,7 +179,7 @@ def scatter_transposed(CT, order, out):
 @njit(cache=True)
 def plain_errors(w, scale, qmin, qmax, r, d_out):
     """Plain rounding of rows ``w`` [N, K] on per-row scales ``scale`` [N]: d_out = w - clip(rint(w / s),
-    qmin, qmax) s (float32, as ``gptq.values_of`` of those codes), and per row sum_k d_k^2 r_k in
+    qmin, qmax) s (float32, as ``gptq_judge.values_of`` of those codes), and per row sum_k d_k^2 r_k in
     float64 (r float32 [K]), summed in k order -> [N].  Two passes per row: the rounding has no
     dependence between elements (it vectorizes), the float64 sum is a chain."""
     N, K = w.shape

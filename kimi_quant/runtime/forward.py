@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..errors import BadCheckpoint, KimiQuantError
+from ..errors import BadCheckpoint
 from ..model.config import TextConfig
 from . import kda
 
@@ -55,52 +55,6 @@ def _observe(name: str | None, x: torch.Tensor) -> None:
     fn = _LINEAR_OBSERVER.get()
     if fn is not None and name is not None:
         fn(name, x)
-
-
-# ------------------------------------------------------------------------------------------------
-# what this forward can run
-# ------------------------------------------------------------------------------------------------
-def unsupported(cfg: TextConfig) -> list[str]:
-    """Config settings this forward cannot honour (empty when it can run the model as configured)."""
-    raw = cfg.raw
-    out = []
-    if cfg.router_scoring != "sigmoid":
-        out.append(f"router scoring {cfg.router_scoring!r} (only 'sigmoid')")
-    if cfg.topk_method != "noaux_tc":
-        out.append(f"topk_method {cfg.topk_method!r} (only 'noaux_tc')")
-    E, G, k = cfg.num_experts, cfg.num_expert_group, cfg.num_experts_per_token
-    if G < 1 or E % G:
-        out.append(f"num_expert_group {G} (must divide num_experts {E})")
-    elif not 1 <= cfg.topk_group <= G:
-        out.append(f"topk_group {cfg.topk_group} (must be 1..num_expert_group {G})")
-    elif G > 1 and cfg.topk_group < G and (E // G < 2 or cfg.topk_group * (E // G) < k):
-        out.append(f"num_expert_group {G} / topk_group {cfg.topk_group} (groups need >= 2 experts and the kept "
-                   f"groups >= num_experts_per_token {k} experts)")
-    if G > 1 and raw.get("use_grouped_topk") is False:
-        out.append(f"use_grouped_topk false with num_expert_group {G} (consumers disagree on what that means)")
-    if not 1 <= k <= E:
-        out.append(f"num_experts_per_token {k} (must be 1..num_experts {E})")
-    if cfg.hidden_act not in ("situ", "silu"):
-        out.append(f"hidden_act {cfg.hidden_act!r} (only 'situ' and 'silu')")
-    if raw.get("mla_use_nope") is False:
-        out.append("mla_use_nope false (the MLA layers here apply no rotary embedding)")
-    if raw.get("indexer_rope_interleave"):
-        out.append("indexer_rope_interleave true (only half-split RoPE)")
-    if cfg.has_indexer and cfg.q_lora_rank is None:
-        out.append("a DSA indexer without q_lora_rank (the indexer reads the query latent)")
-    if raw.get("moe_layer_freq", 1) != 1:
-        out.append(f"moe_layer_freq {raw.get('moe_layer_freq')!r} (only 1: every layer after first_k_dense_replace is MoE)")
-    if raw.get("tie_word_embeddings"):
-        out.append("tie_word_embeddings true (a separate lm_head is expected)")
-    return out
-
-
-def check_supported(cfg: TextConfig) -> None:
-    """Refuse, in one line, a config whose settings :func:`unsupported` lists, instead of ignoring them."""
-    problems = unsupported(cfg)
-    if problems:
-        raise KimiQuantError("config.json: the reference forward cannot run this model as configured: "
-                             + "; ".join(problems))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,7 +333,7 @@ def _moe_out(cfg, w, lin, M, y, xf, latent, act):
 
 
 def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None,
-             experts: Collection[int] | None = None) -> list[torch.Tensor]:
+             experts: Collection[int] | None = None, observe_every_token: Collection[int] = ()) -> list[torch.Tensor]:
     """Latent MoE on several token batches, expert-major: each routed expert's w1/w3/w2 is read from
     ``w`` once (``w`` may be a lazy mapping that loads it on access), only if the router sends it
     tokens in some batch, applied to every batch, then dropped. Per batch the arithmetic is exactly
@@ -387,7 +341,11 @@ def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None,
     do not depend on how many batches are passed together.
 
     ``experts``: only these routed experts run (calibration gathers expert statistics a batch of
-    experts at a time to bound memory; the outputs are then partial and not for use)."""
+    experts at a time to bound memory; the outputs are then partial and not for use).
+
+    ``observe_every_token``: inside ``observe_linear_inputs``, these routed experts (those of ``experts``,
+    routed to or not) are observed on every token of every batch, as if the router had sent them all of them;
+    the outputs still follow the router (their routed computation is not observed)."""
     lin = _Lin(w, act)
     act = act or {}
     M = "block_sparse_moe."
@@ -403,42 +361,30 @@ def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None,
         zs.append(z)
         ys.append(z.new_zeros(z.shape))
     used = torch.unique(torch.cat([idx.reshape(-1) for idx, _ in routes])) if routes else torch.empty(0)
-    for e in used.tolist():
+    every = set(observe_every_token) if _LINEAR_OBSERVER.get() is not None else set()
+    for e in sorted(set(used.tolist()) | every):
         if experts is not None and e not in experts:
             continue
         E = f"{M}experts.{e}."
         W1, W3, W2 = w[E + "w1.weight"], w[E + "w3.weight"], w[E + "w2.weight"]
         m1, m3, m2 = act.get(E + "w1.weight"), act.get(E + "w3.weight"), act.get(E + "w2.weight")
+        observe_all = e in every
+        n1, n3, n2 = (None, None, None) if observe_all else (E + "w1.weight", E + "w3.weight", E + "w2.weight")
         for b, ((idx, wts), z) in enumerate(zip(routes, zs)):
+            if observe_all:  # a view of its own: observers tell shared inputs apart by the tensor object
+                zv = z.view_as(z)
+                _observe(E + "w1.weight", zv)
+                _observe(E + "w3.weight", zv)
+                _observe(E + "w2.weight", _glu(cfg, _linear(zv, W1, m1), _linear(zv, W3, m3)))
             tok, slot = (idx == e).nonzero(as_tuple=True)
             if tok.numel() == 0:
                 continue
             ze = z[tok]
-            he = _glu(cfg, _linear(ze, W1, m1, E + "w1.weight"), _linear(ze, W3, m3, E + "w3.weight"))
-            ys[b] = ys[b].index_add(0, tok, _linear(he, W2, m2, E + "w2.weight") * wts[tok, slot].unsqueeze(-1))
+            he = _glu(cfg, _linear(ze, W1, m1, n1), _linear(ze, W3, m3, n3))
+            ys[b] = ys[b].index_add(0, tok, _linear(he, W2, m2, n2) * wts[tok, slot].unsqueeze(-1))
         del W1, W3, W2
     return [_moe_out(cfg, w, lin, M, y, xf, latent, act).reshape(shape)
             for y, xf, shape in zip(ys, xfs, shapes)]
-
-
-def experts_on_all_tokens(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], experts: Collection[int]) -> None:
-    """Run routed experts ``experts`` on every token of the MoE inputs ``xs``, whatever the router chose,
-    for ``observe_linear_inputs`` only (the outputs are dropped): the input statistics of an expert the
-    calibration text seldom routes to."""
-    lin = _Lin(w, None)
-    M = "block_sparse_moe."
-    latent = bool(cfg.routed_expert_hidden_size)
-    zs = []
-    for x in xs:
-        xf = x.reshape(-1, x.shape[-1])
-        zs.append(lin(xf, M + "routed_expert_down_proj.weight") if latent else xf)
-    for e in sorted(experts):
-        E = f"{M}experts.{e}."
-        W1, W3, W2 = w[E + "w1.weight"], w[E + "w3.weight"], w[E + "w2.weight"]
-        for z in zs:
-            he = _glu(cfg, _linear(z, W1, None, E + "w1.weight"), _linear(z, W3, None, E + "w3.weight"))
-            _linear(he, W2, None, E + "w2.weight")
-        del W1, W3, W2
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,13 +434,14 @@ def layers_attention(cfg: TextConfig, i: int, w: Weights, states: list[State], a
     return [_layer_attn(cfg, i, w, st, act, kda_impl, chunk_size) for st in states]
 
 
-def layers_mlp(cfg: TextConfig, i: int, w: Weights, parts: list[tuple], act: dict[str, str] | None = None) \
-        -> list[State]:
-    """Second half of ``layers_forward``: the MLP (dense or MoE) on ``layers_attention``'s output."""
+def layers_mlp(cfg: TextConfig, i: int, w: Weights, parts: list[tuple], act: dict[str, str] | None = None,
+               observe_every_token: Collection[int] = ()) -> list[State]:
+    """Second half of ``layers_forward``: the MLP (dense or MoE) on ``layers_attention``'s output
+    (``observe_every_token``: as in ``moe_many``)."""
     if cfg.is_dense(i):
         ms = [dense_mlp(cfg, w, h2n, "mlp.", act) for _, _, h2n in parts]
     else:
-        ms = moe_many(cfg, w, [h2n for _, _, h2n in parts], act)
+        ms = moe_many(cfg, w, [h2n for _, _, h2n in parts], act, observe_every_token=observe_every_token)
     return [State(p + m, blocks) for (p, blocks, _), m in zip(parts, ms)]
 
 

@@ -29,7 +29,7 @@ from ..source.compressed import CODES_SUFFIX, MX_BLOCK, SCALES_SUFFIX, check_mxf
 from ..source.local import LocalSource
 from ..source.safetensors import SafetensorsReader
 from ..untrusted import parse_json
-from .forward import check_supported
+from .supported import check_supported
 
 QUANT_DESCRIPTION = "quant_model_description.json"
 QUANT_INDEX = "quant_model_weights.safetensors.index.json"

@@ -81,6 +81,10 @@ class ShardWriter:
             raise RuntimeError(f"writer for {self.path.name}: {name} has {total} bytes, expected {nbytes(dtype, shape)}")
         self._next += 1
 
+    def after_hashed(self, fn) -> None:
+        """Call ``fn()`` once the bytes written so far are hashed: now (they are hashed as written)."""
+        fn()
+
     def commit(self) -> tuple[int, str]:
         """Flush, fsync and rename into place; returns (size, sha256 hex)."""
         if self._next != len(self._entries):

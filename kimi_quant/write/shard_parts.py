@@ -33,6 +33,7 @@ import numpy as np
 
 from ..dtypes import nbytes
 from ..errors import KimiQuantError
+from ..hashing import BackgroundSha256, sha256_fd
 from .atomic import disk_full, fsync_dir
 from .safetensors_writer import encode_header
 
@@ -198,8 +199,6 @@ def _map_read_once(fd: int, length: int) -> mmap.mmap:
 def finish_shard(tmp: str | Path, path: str | Path, size: int) -> str:
     """Complete a shard whose parts are all written: sha256 it, fsync, rename to ``path``; its sha256.
     Hashed through the descriptor whose size was checked, never by name again."""
-    from ..hashing import sha256_fd
-
     tmp, path = Path(tmp), Path(path)
     try:
         fd = os.open(tmp, os.O_RDONLY)
@@ -230,8 +229,9 @@ class PartWriter:
     worker of a stopped run (its file removed by the driver) can leave nothing behind.
 
     ``whole``: this part is the whole shard (tensors arrive front to back): the writer hashes the
-    header and every byte as it writes them, and ``commit`` fsyncs and renames the file, as the
-    streaming ``ShardWriter`` does: no second read of the shard, no driver thread.
+    header and every byte it writes, on a thread of its own (``BackgroundSha256``: a shard of copied
+    bytes costs about as much to hash as to write, and the two overlap), and ``commit`` fsyncs and
+    renames the file: no second read of the shard, no driver thread.
 
     ``take_turns``: writers on this node take turns (``flock`` on the file) to write into it. Writes
     into one file are serialized by its inode lock anyway (tmpfs, ext4, xfs), and the kernel spins
@@ -256,7 +256,7 @@ class PartWriter:
             self._at = min(offsets.values(), default=None)
             if self._at is None:
                 self._at = os.fstat(self._fd).st_size
-            self._sha = hashlib.sha256(os.pread(self._fd, self._at, 0))
+            self._sha = BackgroundSha256(os.pread(self._fd, self._at, 0))
 
     def _size(self, name: str) -> int:
         dtype, shape = self.entries[name]
@@ -315,7 +315,8 @@ class PartWriter:
 
     def write(self, name: str, data) -> None:
         """Write tensor ``name``; ``data`` must not change afterwards: taking turns, it may be written
-        later (at a next ``write`` or ``close``). ``write_chunks`` writes each chunk before the next."""
+        later (at a next ``write`` or ``close``). ``write_chunks`` writes each chunk before the next.
+        A whole writer hashes what either is given later, on its hash thread: that must not change either."""
         buf = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) else memoryview(data).cast("B")
         if buf.nbytes != self._size(name):
             raise RuntimeError(f"part of {self.shard}: {name} has {buf.nbytes} bytes, expected {self._size(name)}")
@@ -330,6 +331,14 @@ class PartWriter:
         if at - start != self._size(name):
             raise RuntimeError(f"part of {self.shard}: {name} has {at - start} bytes, expected {self._size(name)}")
 
+    def after_hashed(self, fn) -> None:
+        """Call ``fn()`` once the bytes written so far are hashed: on a whole writer's hash thread when it
+        gets there, else now (the driver hashes the file). For dropping the source pages they came from."""
+        if self._sha is not None:
+            self._sha.after(fn)
+        else:
+            fn()
+
     def commit(self) -> tuple[int, str]:
         """A ``whole`` writer's last step: fsync, rename to the shard's final name; (size, sha256)."""
         path = self.tmp.parent / self.shard
@@ -337,7 +346,8 @@ class PartWriter:
             if os.fstat(self._fd).st_size != self._at:
                 raise RuntimeError(f"whole-shard writer for {self.shard}: {self._at} bytes written, file has "
                                    f"{os.fstat(self._fd).st_size}")
-            os.fsync(self._fd)
+            os.fsync(self._fd)  # while the last bytes are hashed
+            sha256 = self._sha.hexdigest()
         finally:
             self.close()
         try:
@@ -345,7 +355,7 @@ class PartWriter:
         except FileNotFoundError:
             raise KimiQuantError(f"{self.tmp} is gone: the run converting {self.shard} was stopped") from None
         fsync_dir(path.parent)
-        return self._at, self._sha.hexdigest()
+        return self._at, sha256
 
     def close(self, sync: bool = False, write_held: bool = True) -> None:
         """Write what this writer still holds (unless not ``write_held``: after an error) and close.
@@ -359,5 +369,7 @@ class PartWriter:
             if sync:
                 os.fdatasync(self._fd)
         finally:
+            if self._sha is not None:
+                self._sha.stop()  # a whole writer's hash thread: committed, or abandoned after an error
             os.close(self._fd)
             self._fd = None
