@@ -28,6 +28,7 @@ OPTIONS = {
     "--work-dir": ("where hub shards are staged", {"plan", "convert"}),
     "--max-disk": ("most bytes of hub shards staged at once", {"plan", "convert"}),
     "--link-gbps": ("the download link's speed", {"plan"}),
+    "--driver-cores": ("cores of the machine that drives a calibrated run", {"plan"}),
     "--json": ("write the command's result as JSON to FILE", {"plan", "verify", "validate"}),
     "--quiet": ("print nothing but errors", {"plan", "convert", "verify", "validate"}),
     "--shards": ("list the output shards", {"plan"}),
