@@ -45,9 +45,10 @@ import numpy as np
 
 from . import numerics as nm
 from .base import Grid
-from .gptq_clip import clip_before, clippable, grid_rows, mx_grid_on_h, pick_rows, scale_candidates
+from .gptq_clip import clip_ranked, clippable, grid_rows, mx_grid_on_h, pick_rows, scale_candidates
 from .gptq_factor import FLOAT64_MAX_K, Factor, hessian_factor
 from .gptq_judge import Judge, values_of
+from .gptq_refine import descend, objective
 
 
 DEVICES = ("cpu", "cuda", "npu")
@@ -84,6 +85,11 @@ class GPTQConfig:
                 codec's scale (the largest <= it, the smallest > it) as candidate scales, judged with the clip
                 ratios.  Weights decoded from MXFP4 are E2M1 levels times each 32-block's power of two; a
                 power-of-two row scale holds whole blocks of them exactly, where r x (absmax / 7) holds none.
+    gptq_finalists: with clip ratios or power-of-two scales: per row, the best this many scales of the clip
+                search (judged on plain rounding) each run through GPTQ, and the row keeps the one with the smallest
+                error after it (1: the best one only; ``clip_after`` runs all of them).  ~gptq_finalists x GPTQ's cost.
+    refine_passes: int grids: after GPTQ, this many passes of coordinate descent over each row's codes on
+                GPTQ's own objective, the scales kept (``gptq_refine``; 0: none).
     mx_exponents: MX grids only: "sse" (the data-free rule's per-block exponent: OCP or one above, by
                 block squared error), "hessian" (the same two candidates judged per block on the block's
                 diagonal 32 x 32 part of H: d_b H_bb d_b^T of plain rounding), or "both" (each grid runs
@@ -100,6 +106,8 @@ class GPTQConfig:
     mx_exponents: str = "sse"
     clip_finalists: int = 2
     pow2_scales: bool = False
+    gptq_finalists: int = 1
+    refine_passes: int = 0
 
     def __post_init__(self):
         if not (0.0 <= self.damp < 10.0) or self.damp != self.damp:
@@ -110,6 +118,10 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.clip_ratios must lie in (0, 1], got {self.clip_ratios}")
         if int(self.clip_finalists) != self.clip_finalists or self.clip_finalists < 1:
             raise ValueError(f"GPTQConfig.clip_finalists must be a positive integer, got {self.clip_finalists}")
+        if int(self.gptq_finalists) != self.gptq_finalists or self.gptq_finalists < 1:
+            raise ValueError(f"GPTQConfig.gptq_finalists must be a positive integer, got {self.gptq_finalists}")
+        if int(self.refine_passes) != self.refine_passes or self.refine_passes < 0:
+            raise ValueError(f"GPTQConfig.refine_passes must be a non-negative integer, got {self.refine_passes}")
         if not isinstance(self.pow2_scales, bool):
             raise ValueError(f"GPTQConfig.pow2_scales must be True or False, got {self.pow2_scales!r}")
         if self.mx_exponents not in ("sse", "hessian", "both"):
@@ -305,11 +317,15 @@ def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: Judge, c
             elif cfg.clip_after:
                 out += [g, *scale_candidates(g, ratios, cfg.pow2_scales)]
             else:
-                out.append(clip_before(w, g, ratios, judge, known, cfg.clip_finalists, cfg.pow2_scales))
+                out += clip_ranked(w, g, ratios, judge, known, cfg.clip_finalists, cfg.pow2_scales, cfg.gptq_finalists)
         grids = out
     cands = []  # (grid, codes, float32 error)
+    Hs = objective(judge.hessian, factor.shift) if cfg.refine_passes and any(g.kind == "int" for g in grids) else None
     for grid in grids:
         codes, sq = gptq_run(w, factor.U, grid, cfg, factor.perm)
+        if Hs is not None and grid.kind == "int":
+            codes, gain = descend(w, codes, grid, Hs, cfg.refine_passes)
+            sq = sq - gain
         cands.append((grid, codes, judge.from_gptq(values_of(codes, grid), sq, factor)))
     if cfg.guard:
         grid, codes = free

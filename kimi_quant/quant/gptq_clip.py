@@ -64,6 +64,12 @@ def scale_candidates(g: Grid, ratios, pow2: bool) -> list:
 
 def clip_before(w: np.ndarray, g: Grid, ratios, judge: Judge, known: list, finalists: int,
                  pow2: bool = False) -> Grid:
+    """Per row, the best scale of ``clip_ranked`` (see there)."""
+    return clip_ranked(w, g, ratios, judge, known, finalists, pow2, 1)[0]
+
+
+def clip_ranked(w: np.ndarray, g: Grid, ratios, judge: Judge, known: list, finalists: int,
+                pow2: bool = False, keep: int = 1) -> list:
     """Per row, the scale among ``g``'s, r x it (r in ``ratios``) and (``pow2``) the two powers of two
     bracketing it whose plain rounding has the smallest input-weighted error on H (ties keep the
     earlier, the unclipped first).
@@ -75,7 +81,11 @@ def clip_before(w: np.ndarray, g: Grid, ratios, judge: Judge, known: list, final
     screen's own inaccuracy of the best (measured per row on the unclipped candidate, judged anyway:
     four times its relative error, plus 2%): about one float32 [N, K] x [K, K] product per finalist kept instead of
     one per ratio.  Appends (g, its plain codes, their error) to ``known`` (the guard's data-free
-    codes, often the same)."""
+    codes, often the same).
+
+    -> ``keep`` grids: the first holds each row's best scale, the next ones its runner-ups, ranked by their
+    judged error where they were judged and by the screen's score elsewhere (for GPTQ to run on each, the row
+    choosing after it)."""
     clipped = scale_candidates(g, ratios, pow2)
 
     def plain(grid, rows=slice(None)):  # per channel (clippable): scale [N, 1]
@@ -127,7 +137,25 @@ def clip_before(w: np.ndarray, g: Grid, ratios, judge: Judge, known: list, final
             errs.append(e)
     best, _ = judge.choose(errs, [lambda rows, gr=gr: values_of(plain(gr, rows), grid_rows(gr, rows)) for gr in grids])
     best[settled] = 1
-    return pick_rows(best, grids)
+    chosen = [pick_rows(best, grids)]
+    if keep > 1:
+        n = np.arange(len(w))
+        cands = [g] + clipped  # each row's candidates by index: judged error, else screen score
+        if len(grids) == len(cands):
+            rank = np.stack(errs)
+            first = best
+        else:
+            rank = np.concatenate([unclipped[None], scores])
+            idx = np.concatenate([np.zeros((1, len(w)), np.int64), order[:len(grids) - 1] + 1])  # grids -> cands
+            E = np.stack(errs)
+            fin = np.isfinite(E)
+            for i in range(len(grids)):
+                rank[idx[i, fin[i]], n[fin[i]]] = E[i, fin[i]]
+            first = idx[best, n]
+        rank[first, n] = -np.inf
+        ranked = np.argsort(rank, axis=0, kind="stable")
+        chosen += [pick_rows(ranked[j], cands) for j in range(1, min(keep, len(cands)))]
+    return chosen
 
 
 def mx_grid_on_h(w: np.ndarray, elem: str, hessian: np.ndarray) -> Grid:

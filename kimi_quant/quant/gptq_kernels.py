@@ -247,3 +247,44 @@ def lower_from_transposed(LT, out):
                 o = out[i]
                 for j in range(j0, min(j0 + t, K)):
                     o[j] = np.float32(LT[j, i]) if j <= i else np.float32(0.0)
+
+
+@njit(cache=True)
+def descend_int_codes(W, C, S, group, qmin, qmax, H, G, passes, gain_out):
+    """Greedy coordinate descent on int codes, per row, lowering (w - c s) H (w - c s)^T with the row's
+    scales fixed. W float32 [N, K]; C int16 [N, K] codes (updated in place); S float32 [N, K // group];
+    H float64 [K, K] symmetric; G float64 [N, K] = (W - C S) H on entry (kept up to date).  Each pass visits
+    k = 0..K-1 once: the best integer step for c_k alone is rint(g_k / (s H_kk)), clipped to [qmin, qmax];
+    it is taken when its gain 2 s d g_k - (s d)^2 H_kk is positive, and g -= s d H[k, :].  Inputs with
+    H_kk <= 0 are left alone.  A row stops after a pass without a step.  gain_out float64 [N]: each row's
+    summed gain (the decrease of its error)."""
+    N, K = W.shape
+    for n in range(N):
+        g = G[n]
+        c = C[n]
+        sc = S[n]
+        total = 0.0
+        for _ in range(passes):
+            moved = False
+            for k in range(K):
+                h = H[k, k]
+                if h <= 0.0:
+                    continue
+                s = np.float64(sc[k // group])
+                ck = np.float64(c[k])
+                cn = min(max(ck + np.rint(g[k] / (s * h)), np.float64(qmin)), np.float64(qmax))
+                step = (cn - ck) * s
+                if step == 0.0:
+                    continue
+                gain = 2.0 * step * g[k] - step * step * h
+                if gain <= 0.0:
+                    continue
+                c[k] = np.int16(cn)
+                total += gain
+                moved = True
+                hk = H[k]
+                for j in range(K):
+                    g[j] -= step * hk[j]
+            if not moved:
+                break
+        gain_out[n] = total
