@@ -4,9 +4,10 @@
 One [N, K] matrix (default [3072, 3584], a routed expert) put on the MXFP4 grid with block exponents spread over
 four octaves, H = (1/n) X^T X of synthetic inputs with a few loud channels.  W4A8_DYNAMIC per channel through
 ``gptq_quantize``: the clip search alone, with the power-of-two candidates screened like the clip ratios (the
-default finalists), and with every candidate judged exactly.  One thread; CPU seconds of this process, the ratio
-to one same-thread [N, K] x [K, K] float32 matmul, and the summed input-weighted error.  Also the cost of
-``numerics.on_mxfp4_grid`` (how ``convert --calibrate`` decides to offer the candidates).
+default finalists), with every candidate judged exactly, and (MXFP4 weights) with coordinate descent after GPTQ
+and GPTQ on each row's two best scales (``refine_passes``, ``gptq_finalists``).  One thread; CPU seconds of this
+process, the ratio to one same-thread [N, K] x [K, K] float32 matmul, and the summed input-weighted error.  Also
+the cost of ``numerics.on_mxfp4_grid`` (how ``convert --calibrate`` decides to offer the candidates).
 
     python scripts/bench_gptq_pow2.py [--n 3072 --k 3584]
 """
@@ -18,6 +19,7 @@ import os
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+from dataclasses import replace  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -59,9 +61,14 @@ def main(argv=None) -> int:
         A @ B
         return time.process_time() - t
 
+    mx = GPTQConfig(pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS)
     configs = (("clip ratios only", GPTQConfig()), ("+ power-of-two, screened", GPTQConfig(pow2_scales=True)),
                ("+ power-of-two, all judged", GPTQConfig(pow2_scales=True, clip_finalists=8)),
-               ("+ clips to 0.6 (MXFP4 weights)", GPTQConfig(pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS)))
+               ("+ clips to 0.6 (MXFP4 weights)", mx),
+               ("  + descent, 1 pass", replace(mx, refine_passes=1)),
+               ("  + descent, 2 passes", replace(mx, refine_passes=2)),
+               ("  + GPTQ on 2 scales per row", replace(mx, gptq_finalists=2)),
+               ("  + both (2 scales, 2 passes)", replace(mx, gptq_finalists=2, refine_passes=2)))
     for name, cfg in configs:
         best = None
         for _ in range(2):
