@@ -100,3 +100,15 @@ def test_new_fields_are_checked():
         GPTQConfig(refine_passes=-1)
     with pytest.raises(ValueError, match="gptq_finalists"):
         GPTQConfig(gptq_finalists=0)
+
+
+def test_hessian_shrink_keeps_the_diagonal_and_scales_the_rest():
+    from kimi_quant.quant.gptq import shrunk
+
+    _, H, _, _ = _problem()
+    S = shrunk(H, 0.25)
+    assert np.array_equal(np.diagonal(S), np.diagonal(H))
+    off = ~np.eye(len(H), dtype=bool)
+    np.testing.assert_allclose(S[off], 0.75 * H[off])
+    with pytest.raises(ValueError, match="hessian_shrink"):
+        GPTQConfig(hessian_shrink=1.0)

@@ -88,6 +88,9 @@ class GPTQConfig:
     gptq_finalists: with clip ratios or power-of-two scales: per row, the best this many scales of the clip
                 search (judged on plain rounding) each run through GPTQ, and the row keeps the one with the smallest
                 error after it (1: the best one only; ``clip_after`` runs all of them).  ~gptq_finalists x GPTQ's cost.
+    hessian_shrink: a in [0, 1): every step (the scale choice, GPTQ, the descent) works on (1 - a) H + a diag(H)
+                instead of H: the calibration inputs' correlations trusted less than their per-input energies
+                (0: H as given).
     refine_passes: int grids: after GPTQ, this many passes of coordinate descent over each row's codes on
                 GPTQ's own objective, the scales kept (``gptq_refine``; 0: none).
     mx_exponents: MX grids only: "sse" (the data-free rule's per-block exponent: OCP or one above, by
@@ -108,6 +111,7 @@ class GPTQConfig:
     pow2_scales: bool = False
     gptq_finalists: int = 1
     refine_passes: int = 0
+    hessian_shrink: float = 0.0
 
     def __post_init__(self):
         if not (0.0 <= self.damp < 10.0) or self.damp != self.damp:
@@ -122,6 +126,8 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.gptq_finalists must be a positive integer, got {self.gptq_finalists}")
         if int(self.refine_passes) != self.refine_passes or self.refine_passes < 0:
             raise ValueError(f"GPTQConfig.refine_passes must be a non-negative integer, got {self.refine_passes}")
+        if not (0.0 <= self.hessian_shrink < 1.0):
+            raise ValueError(f"GPTQConfig.hessian_shrink must be in [0, 1), got {self.hessian_shrink}")
         if not isinstance(self.pow2_scales, bool):
             raise ValueError(f"GPTQConfig.pow2_scales must be True or False, got {self.pow2_scales!r}")
         if self.mx_exponents not in ("sse", "hessian", "both"):
@@ -270,6 +276,8 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     nm.check_finite(w)
     N, K = w.shape
     dev = _device(cfg.device)
+    if cfg.hessian_shrink:
+        hessian = shrunk(np.asarray(hessian), cfg.hessian_shrink)
     factor = hessian_factor(hessian, K, cfg.damp, cfg.act_order, dev)
     judge = Judge(w[:0], np.asarray(hessian), dev)
     step = _rows_per_chunk(N, K)
@@ -287,6 +295,13 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     grid = Grid(np.concatenate([g.scale for g in grids]), grids[0].group, grids[0].kind, grids[0].qmin,
                 grids[0].qmax, scale_bytes)
     return codec.encode(codes, grid, matmul)
+
+
+def shrunk(hessian: np.ndarray, a: float) -> np.ndarray:
+    """(1 - a) H + a diag(H), a new matrix of H's dtype."""
+    out = hessian * hessian.dtype.type(1.0 - a)
+    out[np.diag_indices_from(out)] = np.diagonal(hessian)
+    return out
 
 
 #: elements of the weight per chunk of rows (``grid_rows_per_chunk``)
