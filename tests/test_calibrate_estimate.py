@@ -170,3 +170,29 @@ def test_a_described_driver_sets_the_forward_threads_and_caps_local_workers(tmp_
     r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "plan", str(src_dir), "-t", "a3", "--driver-cores", "8"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode != 0 and "--driver-cores sizes a calibrated run" in r.stderr
+
+
+def test_int4_from_a_packed_mxfp4_source_is_costed_at_its_own_gptq_rate(monkeypatch):
+    """convert --calibrate runs more GPTQ on such a tensor (gptq.for_mxfp4_weights): the estimate probes that
+    config on an MXFP4-grid matrix, and only for int4 per channel from a packed source."""
+    from kimi_quant.plan import TensorPlan
+
+    def tp(scheme, packed, group=0):
+        return TensorPlan("w", "f", "MXFP4" if packed else "BF16", [64, 128], scheme, "gate", [], group,
+                          [["c", "f"], ["s", "f"]] if packed else None)
+
+    assert est.job_kind(tp("W4A8_DYNAMIC", True)) == "W4A8_DYNAMIC" + est.MXFP4_KIND
+    assert est.job_kind(tp("W4A8_DYNAMIC", False)) == "W4A8_DYNAMIC"
+    assert est.job_kind(tp("W4A8_DYNAMIC", True, 64)) == "W4A8_DYNAMIC"
+    assert est.job_kind(tp("W8A8_DYNAMIC", True)) == "W8A8_DYNAMIC"
+    from kimi_quant.quant import gptq
+    from kimi_quant.quant import numerics as nm
+
+    seen = []
+    monkeypatch.setattr(gptq, "gptq_quantize", lambda codec, w, matmul, h, cfg: seen.append((codec.name, w, cfg)))
+    est._gptq_seconds("W4A8_DYNAMIC", "gate", 8, 64)
+    est._gptq_seconds("W4A8_DYNAMIC" + est.MXFP4_KIND, "gate", 8, 64)
+    (name0, w0, cfg0), (name1, w1, cfg1) = seen
+    assert name0 == name1 == "W4A8_DYNAMIC"
+    assert cfg0 == gptq.GPTQConfig() and cfg1 == gptq.for_mxfp4_weights(gptq.GPTQConfig()) != cfg0
+    assert not nm.on_mxfp4_grid(w0) and nm.on_mxfp4_grid(w1)

@@ -100,35 +100,55 @@ def _overheads() -> tuple[float, float]:
     return op, elem
 
 
-def _gptq_seconds(scheme: str, matmul: str | None, n: int, k: int) -> float:
-    """One-core seconds of GPTQ on an [n, k] matrix in ``scheme``."""
+#: the job kind of an int4 per-channel tensor whose source is packed MXFP4: ``convert --calibrate`` runs
+#: ``gptq.for_mxfp4_weights``'s settings on it (more candidate scales, GPTQ on two of them per row)
+MXFP4_KIND = " from MXFP4"
+
+
+def job_kind(tp) -> str:
+    """The GPTQ rate a planned tensor is costed at: its scheme, with MXFP4_KIND where its source is packed MXFP4
+    requantized to int4 per channel (a BF16 decoding of such a release is not known before its values are
+    read: costed at the float rate)."""
+    if tp.packed and not tp.repack and tp.scheme == "W4A8_DYNAMIC" and not tp.group_size:
+        return tp.scheme + MXFP4_KIND
+    return tp.scheme
+
+
+def _gptq_seconds(kind: str, matmul: str | None, n: int, k: int) -> float:
+    """One-core seconds of GPTQ on an [n, k] matrix of job kind ``kind`` (``job_kind``)."""
     import torch
 
     from ..quant import get_codec
-    from ..quant.gptq import gptq_quantize
+    from ..quant import numerics as nm
+    from ..quant.gptq import GPTQConfig, for_mxfp4_weights, gptq_quantize
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((n, k)).astype(np.float32) * 0.02
+    scheme, cfg = kind, GPTQConfig()
+    if kind.endswith(MXFP4_KIND):
+        scheme, cfg = kind[:-len(MXFP4_KIND)], for_mxfp4_weights(cfg)
+        codes, scales = nm.mxfp4_ocp_quantize(w)
+        w = nm.mx_dequantize(nm.e2m1_to_f32(codes), scales).astype(np.float32)
     x = rng.standard_normal((2 * k, k))
     h = x.T @ x / len(x)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         t = time.thread_time()
-        gptq_quantize(get_codec(scheme), w, matmul, h)
+        gptq_quantize(get_codec(scheme), w, matmul, h, cfg)
         return time.thread_time() - t
     finally:
         torch.set_num_threads(threads)
 
 
-def gptq_model(scheme: str, matmul: str | None) -> tuple[float, float, float]:
+def gptq_model(kind: str, matmul: str | None) -> tuple[float, float, float]:
     """(c, a, b) of t(N, K) = c + a K + b (N K^2 + K^3) seconds on one core: a fixed cost per job (c, an
     [8, 64] matrix), per column (GPTQ walks the K columns one at a time) and O(N K^2 + K^3) arithmetic,
     fitted to two measured sizes."""
     sizes = [(256, 512), PROBE]
-    _gptq_seconds(scheme, matmul, 8, 64)  # loads the kernels: not part of any probe
-    c = min(_gptq_seconds(scheme, matmul, 8, 64) for _ in range(3))
-    ts = [_gptq_seconds(scheme, matmul, n, k) - c for n, k in sizes]
+    _gptq_seconds(kind, matmul, 8, 64)  # loads the kernels: not part of any probe
+    c = min(_gptq_seconds(kind, matmul, 8, 64) for _ in range(3))
+    ts = [_gptq_seconds(kind, matmul, n, k) - c for n, k in sizes]
     A = np.array([[k, n * k * k + k ** 3] for n, k in sizes], dtype=np.float64)
     a, b = np.linalg.solve(A, np.array(ts))
     if a < 0 or b < 0:  # noise: fall back to the pure FLOP model through the larger probe
@@ -144,7 +164,7 @@ def _models_path():
 
 
 def gptq_models(schemes: dict[str, str | None]) -> dict[str, tuple[float, float, float]]:
-    """``gptq_model`` per scheme ({scheme: a matmul it is used for}), stored in the kimi-quant cache for this
+    """``gptq_model`` per job kind ({``job_kind``: a matmul it is used for}), stored in the kimi-quant cache for this
     machine and this code (the probes take a few seconds; ``plan`` is asked often)."""
     import json
 
@@ -197,7 +217,7 @@ def _hessian_key(name: str, layer: int, stage: int, expert: int, K: int, shares:
 
 
 def _jobs_and_hessians(linears: list, cfg: CalibConfig):
-    """Per GPTQ stage (layer, stage, expert batch): its jobs [(scheme, matmul, N, K)] and its Hessian keys
+    """Per GPTQ stage (layer, stage, expert batch): its jobs [(``job_kind``, matmul, N, K)] and its Hessian keys
     {key: K}; per layer the fp32 bytes of its non-expert weights; the bytes of one routed expert's weights."""
     jobs = defaultdict(list)
     hess = defaultdict(dict)
@@ -211,7 +231,7 @@ def _jobs_and_hessians(linears: list, cfg: CalibConfig):
         if tp.scheme == FLOAT:
             continue
         group = (layer, stage, expert // max(1, cfg.expert_batch) if stage == EXPERTS else 0)
-        jobs[group].append((tp.scheme, tp.matmul, N, K))
+        jobs[group].append((job_kind(tp), tp.matmul, N, K))
         # the MLP's non-routed Linears are collected with the first batch of experts
         hess[group if stage != MLP else (layer, EXPERTS, 0)][_hessian_key(tp.name, layer, stage, expert, K,
                                                                            shares)] = K

@@ -32,7 +32,6 @@ so the bytes do not depend on the runner or its number of workers).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -51,7 +50,7 @@ from ..layout.ascend_v1 import PROVENANCE
 from ..model.spec import load_model_spec_from_source
 from ..output_run import ConvertResult, check_window, finish_output, resume_output
 from ..plan import Plan, TensorPlan, UnitPlan
-from ..quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig
+from ..quant.gptq import GPTQConfig, for_mxfp4_weights
 from ..quant.numerics import on_mxfp4_grid
 from ..recipe.recipe import FLOAT
 from ..runtime import forward as fw
@@ -205,7 +204,7 @@ class _Quantizer:
                     if t.packed or on_mxfp4_grid(w):
                         # decoded from MXFP4 (a packed source or its BF16 decoding: the same bytes either way): each
                         # 32-block is E2M1 levels times a power of two, which a power-of-two row scale holds
-                        gptq = dataclasses.replace(gptq, pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS)
+                        gptq = for_mxfp4_weights(gptq)
                     yield GPTQJob(t.name, role[t.name], t.scheme, t.group_size, t.pow2_scale, t.matmul, w,
                                   hessian_of[t.name](), gptq)
 

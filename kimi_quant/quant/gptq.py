@@ -39,7 +39,7 @@ measures it against one same-thread matmul.  Memory beyond the Hessian given: on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -57,6 +57,10 @@ CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 #: weights on the MXFP4 grid (with the power-of-two candidates): their rows' few largest values sit in the
 #: top 32-blocks, so deeper clips can pay (docs/quality.md); screened like the others, so a few O(N K m) scores
 MXFP4_CLIP_RATIOS = CLIP_RATIOS + (0.7, 0.65, 0.6)
+
+
+#: weights on the MXFP4 grid: GPTQ runs on each row's this many best scales of the clip search (docs/quality.md)
+MXFP4_GPTQ_FINALISTS = 2
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,13 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.mx_exponents must be sse, hessian or both, got {self.mx_exponents!r}")
         if self.device not in DEVICES:
             raise ValueError(f"GPTQConfig.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+
+def for_mxfp4_weights(cfg: GPTQConfig) -> GPTQConfig:
+    """``cfg`` for a weight whose values are on the MXFP4 grid (a packed source or its BF16 decoding): each
+    32-block is E2M1 levels times a power of two, which a power-of-two row scale holds; deeper clips, and
+    GPTQ on each row's best scales, chosen after it (docs/quality.md measures each)."""
+    return replace(cfg, pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS, gptq_finalists=MXFP4_GPTQ_FINALISTS)
 
 
 def _device(name: str):
