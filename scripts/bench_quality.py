@@ -70,7 +70,7 @@ if str(ROOT) not in sys.path:
 from kimi_quant.dtypes import bf16_to_f32, f32_to_bf16  # noqa: E402
 from kimi_quant.quant import get_codec  # noqa: E402
 from kimi_quant.quant import numerics as nm  # noqa: E402
-from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, gptq_quantize_bf16  # noqa: E402
+from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, for_mxfp4_weights, gptq_quantize_bf16  # noqa: E402
 from kimi_quant.runtime.text import load_texts  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -123,6 +123,7 @@ class Scheme:
     pow2_scale: bool = False  # W8A8_DYNAMIC with power-of-two row scales (codec.with_pow2_scale())
     pow2_candidates: bool = False  # calibrated int4 per channel: GPTQConfig.pow2_scales (power-of-two scale candidates)
     mxfp4_clips: bool = False  # with pow2_candidates: the clip ratios down to 0.6 (gptq.MXFP4_CLIP_RATIOS)
+    mxfp4_config: bool = False  # calibrated: convert's settings for MXFP4-grid weights (gptq.for_mxfp4_weights)
 
 
 SCHEMES = [
@@ -156,6 +157,8 @@ SCHEMES = [
            codec="W4A8_DYNAMIC", calibrated=True, pow2_candidates=True),
     Scheme("W4A8_DYNAMIC+gptq/pow2x", "W4A8_DYNAMIC, calibrated (GPTQ), power-of-two candidates, clips to 0.6",
            "int8", codec="W4A8_DYNAMIC", calibrated=True, pow2_candidates=True, mxfp4_clips=True),
+    Scheme("W4A8_DYNAMIC+gptq/mxfp4", "W4A8_DYNAMIC, calibrated (GPTQ), convert's settings for MXFP4 weights "
+           "(the pow2x row, H's correlations shrunk)", "int8", codec="W4A8_DYNAMIC", calibrated=True, mxfp4_config=True),
     Scheme("W4A8_DYNAMIC/g64+gptq", "W4A8_DYNAMIC --group-size 64, calibrated (GPTQ)", "int8", codec="W4A8_DYNAMIC",
            calibrated=True, group=64),
     Scheme("W4A8_MXFP+gptq", "W4A8_MXFP, calibrated (GPTQ)", "mxfp8", codec="W4A8_MXFP", calibrated=True),
@@ -165,7 +168,8 @@ BY_NAME = {s.name: s for s in SCHEMES}
 #: the default rows of --mxfp4-source: every a3 rule from an MXFP4 model's exact values, and the 950dt repack
 MXFP4_SCHEMES = ("W4A8_MXFP", "W4A8_DYNAMIC", "int4_absmax", "int4_mse0.8", "int4_refit", "W4A8_DYNAMIC/g32",
                  "W4A8_DYNAMIC/g64", "W4A8_DYNAMIC/g128*", "W8A8_DYNAMIC", "W8A8_DYNAMIC/pow2",
-                 "W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC+gptq/pow2", "W4A8_DYNAMIC+gptq/pow2x")
+                 "W4A8_DYNAMIC+gptq", "W4A8_DYNAMIC+gptq/pow2", "W4A8_DYNAMIC+gptq/pow2x",
+                 "W4A8_DYNAMIC+gptq/mxfp4")
 
 
 def _int4_absmax(w: np.ndarray) -> np.ndarray:
@@ -233,6 +237,8 @@ def quantize_weight(scheme: Scheme, w_u16: np.ndarray, role: str, hessian, gptq:
             gptq = dataclasses.replace(gptq or GPTQConfig(), pow2_scales=True)
         if scheme.mxfp4_clips:
             gptq = dataclasses.replace(gptq, clip_ratios=MXFP4_CLIP_RATIOS)
+        if scheme.mxfp4_config:
+            gptq = for_mxfp4_weights(gptq or GPTQConfig())
         out = gptq_quantize_bf16(codec, w_u16, role, hessian, gptq)
     else:
         out = codec.quantize_bf16(w_u16, role)

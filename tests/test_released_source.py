@@ -380,6 +380,7 @@ def test_calibrated_a3_never_routed_mxfp4_experts_get_gptq_from_every_token(bf16
     from kimi_quant.convert import ConvertOptions, convert
     from kimi_quant.layout.model_card import describe_calibration
     from kimi_quant.quant import get_codec
+    from kimi_quant.quant.gptq import for_mxfp4_weights
     from kimi_quant.runtime.weights import QuantizedLoader, SourceLoader
 
     layer, never = 2, (7, 9)
@@ -411,7 +412,8 @@ def test_calibrated_a3_never_routed_mxfp4_experts_get_gptq_from_every_token(bf16
             for w in ("w1", "w2", "w3"):
                 name = f"{E}{e}.{w}.weight"
                 job = jobs[name]  # GPTQ, not the data-free rule, and the candidates for MXFP4 values
-                assert job.scheme == "W4A8_DYNAMIC" and not job.group_size and job.config.pow2_scales
+                assert job.scheme == "W4A8_DYNAMIC" and not job.group_size
+                assert job.config == for_mxfp4_weights(calib_run.gptq_config(CalibConfig(tokens=512)))
                 written = ql.tensor(name)[0]
                 assert torch.equal(written, torch.from_numpy(get_codec("W4A8_DYNAMIC").dequantize(
                     calib_jobs.run_gptq_job(job))).to(written.dtype))

@@ -238,12 +238,13 @@ def _jobs_and_hessians(linears: list, cfg: CalibConfig):
     return jobs, hess, nonexpert, max(expert_bytes.values(), default=0)
 
 
-def worker_bytes(N: int, K: int) -> int:
-    """Resident bytes of a worker quantizing one [N, K] Linear: its base, the weight (float32), the Hessian
-    as received (``hessian.hessian_bytes``) and GPTQ's working set (``gptq.working_set_bytes``)."""
+def worker_bytes(N: int, K: int, kind: str = "") -> int:
+    """Resident bytes of a worker quantizing one [N, K] Linear of job kind ``kind`` (``job_kind``): its base, the
+    weight (float32), the Hessian as received (``hessian.hessian_bytes``) and GPTQ's working set
+    (``gptq.working_set_bytes``, with the shrunk copy of H for MXFP4 weights)."""
     from ..quant.gptq import working_set_bytes
 
-    return WORKER_BASE_BYTES + 4 * N * K + hessian_bytes(K) + working_set_bytes(N, K)
+    return WORKER_BASE_BYTES + 4 * N * K + hessian_bytes(K) + working_set_bytes(N, K, kind.endswith(MXFP4_KIND))
 
 
 def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int, stage_hessians: int) -> dict:
@@ -354,11 +355,11 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
         copy = max((8 * K * K for K in ks if hessian_bytes(K) == 8 * K * K), default=0)
         stage_h = max(stage_h, sum(hessian_bytes(K) for K in ks) + copy + copy // 8 * 12)
     driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h)
-    biggest = max(((N, K) for js in jobs.values() for _, _, N, K in js), key=lambda nk: worker_bytes(*nk),
-                  default=(0, 0))
+    biggest = max(((N, K, s) for js in jobs.values() for s, _, N, K in js), key=lambda j: worker_bytes(*j),
+                  default=(0, 0, ""))
     worker = worker_bytes(*biggest) if biggest[0] else WORKER_BASE_BYTES
     local_workers = min(workers, cores) if executor == "local" else 0
-    local_peak = driver["total"] + max((sum(sorted((worker_bytes(N, K) for _, _, N, K in js), reverse=True)[:local_workers])
+    local_peak = driver["total"] + max((sum(sorted((worker_bytes(N, K, s) for s, _, N, K in js), reverse=True)[:local_workers])
                                         for js in jobs.values()), default=0)
     return {"hours": wall / 3600, "wall_seconds": wall, "workers": workers, "executor": executor,
             "gptq_workers": gptq_workers, "driver_threads": threads, "startup_s": startup,
@@ -369,5 +370,5 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "expert_tokens": cfg.expert_tokens, "expert_tokens_mean": (T if every else T * k / E) if E else 0,
             "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
-            "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(biggest),
+            "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(biggest[:2]),
             "memory_bytes": local_peak if executor == "local" else driver["total"]}

@@ -59,8 +59,8 @@ CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 MXFP4_CLIP_RATIOS = CLIP_RATIOS + (0.7, 0.65, 0.6)
 
 
-#: weights on the MXFP4 grid: GPTQ runs on each row's this many best scales of the clip search (docs/quality.md)
-MXFP4_GPTQ_FINALISTS = 2
+#: weights on the MXFP4 grid: ``GPTQConfig.hessian_shrink`` (docs/quality.md)
+MXFP4_HESSIAN_SHRINK = 0.3
 
 
 @dataclass(frozen=True)
@@ -142,9 +142,9 @@ class GPTQConfig:
 
 def for_mxfp4_weights(cfg: GPTQConfig) -> GPTQConfig:
     """``cfg`` for a weight whose values are on the MXFP4 grid (a packed source or its BF16 decoding): each
-    32-block is E2M1 levels times a power of two, which a power-of-two row scale holds; deeper clips, and
-    GPTQ on each row's best scales, chosen after it (docs/quality.md measures each)."""
-    return replace(cfg, pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS, gptq_finalists=MXFP4_GPTQ_FINALISTS)
+    32-block is E2M1 levels times a power of two, which a power-of-two row scale holds; deeper clips; and H's
+    correlations trusted less than its diagonal (docs/quality.md measures each on text unlike the calibration)."""
+    return replace(cfg, pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS, hessian_shrink=MXFP4_HESSIAN_SHRINK)
 
 
 def _device(name: str):
@@ -371,16 +371,18 @@ def _quantize_rows(codec, w: np.ndarray, matmul, factor: Factor, judge: Judge, c
     return codes, pick_rows(best, [g for g, _, _ in cands])
 
 
-def working_set_bytes(N: int, K: int) -> int:
+def working_set_bytes(N: int, K: int, shrink: bool = False) -> int:
     """Bytes ``gptq_quantize`` of an [N, K] weight allocates beyond the weight and the Hessian it is
     given, at its peak (an upper bound): the K x K working matrix (float64 up to FLOAT64_MAX_K, where
     the Cholesky's output and its float32 copy coexist, with the judge's float32 triangle blocks and the
     kept copy of H: 29 B per entry; above it float32, in place, plus its preparation's row blocks),
     ~28 B per weight entry of one chunk of rows (the transposed copy, codes, candidates' values and
-    differences), and the whole matrix's codes and encoded output (3 B per entry)."""
+    differences), and the whole matrix's codes and encoded output (3 B per entry); with ``shrink``
+    (``GPTQConfig.hessian_shrink``) a copy of H as received (float64 up to FLOAT64_MAX_K, else float32)."""
     rows = min(N, _rows_per_chunk(N, K))
     square = K * K * (20 + 9) if K <= FLOAT64_MAX_K else K * K * 4 + 3 * 8 * K * max(1, (1 << 24) // K)
-    return int(square + 28 * rows * K + 3 * N * K + (64 << 20))
+    copy = K * K * (8 if K <= FLOAT64_MAX_K else 4) if shrink else 0
+    return int(square + copy + 28 * rows * K + 3 * N * K + (64 << 20))
 
 
 def gptq_quantize_bf16(codec, w_u16: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQConfig | None = None,
