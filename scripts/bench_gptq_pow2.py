@@ -4,10 +4,11 @@
 One [N, K] matrix (default [3072, 3584], a routed expert) put on the MXFP4 grid with block exponents spread over
 four octaves, H = (1/n) X^T X of synthetic inputs with a few loud channels.  W4A8_DYNAMIC per channel through
 ``gptq_quantize``: the clip search alone, with the power-of-two candidates screened like the clip ratios (the
-default finalists), with every candidate judged exactly, and (MXFP4 weights) with coordinate descent after GPTQ
-and GPTQ on each row's two best scales (``refine_passes``, ``gptq_finalists``).  One thread; CPU seconds of this
-process, the ratio to one same-thread [N, K] x [K, K] float32 matmul, and the summed input-weighted error.  Also
-the cost of ``numerics.on_mxfp4_grid`` (how ``convert --calibrate`` decides to offer the candidates).
+default finalists), with every candidate judged exactly, and (MXFP4 weights) with H shrunk toward its diagonal,
+coordinate descent after GPTQ and GPTQ on each row's two best scales (``hessian_shrink``, ``refine_passes``,
+``gptq_finalists``).  One thread; CPU seconds of this process, the ratio to one same-thread [N, K] x [K, K]
+float32 matmul, and the summed input-weighted error on H as given (the shrunk rows minimise another objective).
+Also the cost of ``numerics.on_mxfp4_grid`` (how ``convert --calibrate`` decides to offer the candidates).
 
     python scripts/bench_gptq_pow2.py [--n 3072 --k 3584]
 """
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
 
     from kimi_quant.quant import get_codec
     from kimi_quant.quant import numerics as nm
-    from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, gptq_quantize
+    from kimi_quant.quant.gptq import MXFP4_CLIP_RATIOS, GPTQConfig, for_mxfp4_weights, gptq_quantize
     from kimi_quant.quant.gptq_judge import weighted_error
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     configs = (("clip ratios only", GPTQConfig()), ("+ power-of-two, screened", GPTQConfig(pow2_scales=True)),
                ("+ power-of-two, all judged", GPTQConfig(pow2_scales=True, clip_finalists=8)),
                ("+ clips to 0.6 (MXFP4 weights)", mx),
+               ("  + H shrunk (convert's setting)", for_mxfp4_weights(GPTQConfig())),
                ("  + descent, 1 pass", replace(mx, refine_passes=1)),
                ("  + descent, 2 passes", replace(mx, refine_passes=2)),
                ("  + GPTQ on 2 scales per row", replace(mx, gptq_finalists=2)),
