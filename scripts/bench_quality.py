@@ -40,7 +40,7 @@ stdlib modules, ``PYDOC_MODULES``).
     python scripts/bench_quality.py                 # the table in docs/quality.md (~10-15 min on 2 cores)
     python scripts/bench_quality.py --mxfp4-source --texts heldout,pydoc --seq 256 --eval-windows 5 --calib-windows 8
     python scripts/bench_quality.py --mxfp4-source --texts heldout,pydoc --seq 256 --calib-windows 32 \
-        --schemes W4A8_DYNAMIC+gptq/pow2,W4A8_DYNAMIC+gptq/pow2x   # convert's 8192 tokens, all windows (~10 min)
+        --schemes W4A8_DYNAMIC+gptq/pow2x,W4A8_DYNAMIC+gptq/mxfp4   # convert's 8192 tokens, all windows (~10 min)
     python scripts/bench_quality.py --quick         # short run (tests/test_quality_real_model.py)
     python scripts/bench_quality.py --schemes float,W4A8_DYNAMIC --per-tensor out.csv
 
