@@ -158,3 +158,42 @@ def test_a_described_driver_sets_the_forward_threads_and_caps_local_workers(tiny
     r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "plan", str(src_dir), "-t", "a3", "--driver-cores", "8"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode != 0 and "--driver-cores sizes a calibrated run" in r.stderr
+
+
+def test_under_routed_share_is_the_binomial_tail():
+    from math import comb
+
+    for T, p, floor in ((64, 0.1, 5), (300, 0.03, 9), (2048, 16 / 896, 32), (10, 0.5, 0)):
+        exact = sum(comb(T, j) * p ** j * (1 - p) ** (T - j) for j in range(min(floor, T + 1)))
+        assert est.under_routed_share(T, p, floor) == pytest.approx(exact, rel=1e-9, abs=1e-300)
+    assert est.under_routed_share(8192, 16 / 896, 32) < 1e-20  # K3.1 Pro at the defaults, balanced routing
+
+
+def test_plan_counts_the_all_token_pass_of_under_routed_mxfp4_experts(tiny_a3, tmp_path):
+    """a3 --calibrate from the released layout: routed experts under --min-expert-tokens get an all-token
+    pass; the estimate adds its expected share (balanced routing) and states the worst case; a BF16 source has none."""
+    from kimi_quant.convert import build_plan
+    from kimi_quant.model.spec import load_model_spec_from_source
+    from kimi_quant.source import open_source
+
+    src = open_source(str(synth("tiny", tmp_path / "released", experts="mxfp4")))
+    try:
+        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
+        spec = load_model_spec_from_source(src, recipe_given=True)
+    finally:
+        src.close()
+    t = spec.text
+    moe_layers = t.num_hidden_layers - t.first_k_dense_replace
+    few = est.estimate(plan, spec, CalibConfig(tokens=256, min_expert_tokens=64), workers=1)
+    assert few["all_token_experts"] == moe_layers * t.num_experts
+    share = est.under_routed_share(256, t.num_experts_per_token / t.num_experts, 64)
+    assert few["under_routed_share"] == pytest.approx(share) and 0.1 < share < 1
+    none = est.estimate(plan, spec, CalibConfig(tokens=256, min_expert_tokens=0), workers=1)
+    assert none["under_routed_share"] == 0 and none["all_token_worst_s"] > 0
+    # the expected extra flops: the share of the worst case (one rate measurement per estimate)
+    extra = lambda e: e["forward_core_h"] * e["fp32_gflops"] + e["hessian_core_h"] * e["fp32_gflops"]  # noqa: E731
+    assert extra(few) > extra(none)
+    every = est.estimate(plan, spec, CalibConfig(tokens=256, expert_tokens="all"), workers=1)
+    assert every["all_token_experts"] == 0  # --expert-tokens all already observes every expert on every token
+    _, bf16_plan, bf16_spec = tiny_a3
+    assert est.estimate(bf16_plan, bf16_spec, CalibConfig(tokens=256), workers=1)["all_token_experts"] == 0

@@ -142,6 +142,16 @@ def _expert_tokens(e: dict) -> str:
             "with balanced routing, the min lower; the run reports both; --expert-tokens all gives every expert all)")
 
 
+def _all_token_line(e: dict) -> list[str]:
+    """The all-token pass of under-routed MXFP4 experts (a3 from a packed source, per-channel int4)."""
+    if not e["all_token_experts"]:
+        return []
+    n = e["under_routed_share"] * e["all_token_experts"]
+    return [f"         MXFP4 experts under --min-expert-tokens are calibrated on every token: ~{n:.0f} of "
+            f"{e['all_token_experts']} with balanced routing (counted above); a skewed router sends more, at most "
+            f"+{fmt_duration(e['all_token_worst_s'])} if every one were"]
+
+
 def _calibrate_lines(e: dict, cal) -> list[str]:
     """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
     where = (f"{e['workers']} Ray workers" if e["executor"] == "ray" else
@@ -155,6 +165,7 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
             "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
             + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",
+            *_all_token_line(e),
             f"         memory ~{fmt_size(e['worker_memory_bytes'])} per worker (its largest GPTQ job, "
             f"[{e['worker_memory_tensor_shape'][0]}, {e['worker_memory_tensor_shape'][1]}]), "
             f"~{fmt_size(e['driver_memory_bytes'])} driver (state of {cal.tokens} tokens {fmt_size(d['state'])}, forward "
