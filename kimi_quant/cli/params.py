@@ -108,7 +108,8 @@ def calibration_options(f):
         click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True,
                      help="With --calibrate: where GPTQ runs (cuda / npu where torch has them)."),
         click.option("--min-expert-tokens", type=click.IntRange(min=1), default=None, metavar="N",
-                     help=f"With --calibrate: a routed expert that saw fewer tokens keeps the data-free rule "
+                     help=f"With --calibrate: a routed expert that saw fewer tokens keeps the data-free rule, "
+                          f"or, if its weights are MXFP4 values made int4, gets GPTQ from every token "
                           f"[default: {DEFAULT_MIN_EXPERT_TOKENS}]; the run says how many did."),
         click.option("--expert-tokens", type=click.Choice(EXPERT_TOKENS), default=None,
                      help="With --calibrate: the tokens a routed expert's Hessian sees: those routed to it, or all "
