@@ -61,6 +61,40 @@ def test_device_weights_move_once_except_routed_experts():
     assert set(w) == set(base) and len(w) == 3 and "self_attn.o_proj.weight" in w
 
 
+def test_the_forward_on_cuda_is_full_float32_and_restores_the_settings():
+    m, c = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = m.allow_tf32, c.allow_tf32
+    try:
+        m.allow_tf32 = c.allow_tf32 = True  # a caller that allows TF32 (cuDNN's default)
+        with cdev.full_float32(torch.device("cuda")):  # the flags only: no CUDA device is needed
+            assert not m.allow_tf32 and not c.allow_tf32
+        assert m.allow_tf32 and c.allow_tf32
+        with cdev.full_float32(torch.device("cpu")):
+            assert m.allow_tf32 and c.allow_tf32
+    finally:
+        m.allow_tf32, c.allow_tf32 = saved
+
+
+def test_a_phase_waits_for_the_device_before_it_is_timed():
+    import time
+
+    from kimi_quant.calibrate.phases import Phases
+
+    events = []
+
+    def sync():  # a device's queued kernels, finishing
+        events.append("sync")
+        time.sleep(0.05)
+
+    ph = Phases(sync)
+    with ph("forward"):
+        with ph("hessians"):
+            events.append("issued")
+    assert events == ["issued", "sync", "sync"]  # at the end of each section
+    assert ph.seconds["hessians"] >= 0.05  # the wait counts in the section that issued the work
+    assert ph.seconds["forward"] >= 0.05
+
+
 def test_the_cpu_run_goes_through_the_device_path_and_keeps_its_bytes(source, tmp_path, monkeypatch):
     """--device cpu: every weight the forward reads comes through DeviceWeights, the states and every observed
     input are on the run's device, the Hessians are summed there; and the bytes are those of the plain run

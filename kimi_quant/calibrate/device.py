@@ -13,6 +13,7 @@ orders, atomic adds in the MoE's scatter): docs/calibration.md.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
@@ -20,7 +21,7 @@ from ..quant.gptq import torch_device
 from ..runtime import forward as fw
 from ..runtime.weights import ROUTED_EXPERT
 
-__all__ = ["DeviceWeights", "states_to", "synchronize", "torch_device"]
+__all__ = ["DeviceWeights", "full_float32", "states_to", "synchronize", "torch_device"]
 
 
 class DeviceWeights(Mapping):
@@ -54,6 +55,21 @@ class DeviceWeights(Mapping):
 def states_to(states: list[fw.State], device: torch.device) -> list[fw.State]:
     """The states (the running residual and the closed blocks per window batch) on ``device``."""
     return [fw.State(s.x.to(device), [b.to(device) for b in s.blocks]) for s in states]
+
+
+@contextmanager
+def full_float32(device: torch.device) -> Iterator[None]:
+    """Within: float32 products on ``device`` in full float32 (CUDA would otherwise be allowed TF32 in its
+    convolutions, a 10-bit mantissa: the Hessians and the propagated state would lose what the CPU keeps)."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def synchronize(device: torch.device) -> None:

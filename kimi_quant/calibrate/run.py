@@ -59,7 +59,7 @@ from ..runtime import forward as fw
 from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
 from .config import MIN_TOKENS, CalibConfig
-from .device import DeviceWeights, states_to, synchronize, torch_device
+from .device import DeviceWeights, full_float32, states_to, synchronize, torch_device
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
 from .phases import Phases
@@ -228,7 +228,7 @@ class _Quantizer:
     def forward(self) -> Iterator[None]:
         """A section of the driver's forward (on ``self.device``): no GPTQ job is outstanding, so it has the run's
         cores (torch's intra-op threads; the stage's GPTQ jobs run on one thread each, with these set back to one)."""
-        with self.phases("forward"):
+        with self.phases("forward"), full_float32(self.device):
             torch.set_num_threads(self.forward_threads)
             try:
                 yield
