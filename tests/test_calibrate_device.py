@@ -116,12 +116,25 @@ def test_the_cpu_run_goes_through_the_device_path_and_keeps_its_bytes(source, tm
         states_dev.update(t.device for s in states for t in [s.x, *s.blocks])
         return real_states(out_dir, binding, layer, states, *a)
 
+    entries = []
+
+    def through_device(fn, at):  # a forward entry point: its weights must come through DeviceWeights
+        def call(*a, **k):
+            entries.append((fn.__name__, isinstance(a[at], real_dw)))
+            return fn(*a, **k)
+        return call
+
+    for name, at in (("embed", 0), ("layers_attention", 2), ("layers_mlp", 2), ("moe_many", 1), ("head", 1)):
+        monkeypatch.setattr(fw, name, through_device(getattr(fw, name), at))
     monkeypatch.setattr(calib_run, "DeviceWeights", SpyWeights)
     monkeypatch.setattr(HessianCollector, "__call__", observe)
     monkeypatch.setattr(calib_run, "save_state", save_state)
     got = tmp_path / "dev"
     _convert(source, got, device="cpu")
     assert len(wrapped) > 100 and all(wrapped)
+    # (head runs only where lm_head is quantized: not on a3)
+    assert {n for n, _ in entries} >= {"embed", "layers_attention", "layers_mlp", "moe_many"}
+    assert all(ok for _, ok in entries), [n for n, ok in entries if not ok]
     assert seen == {torch.device("cpu")} and states_dev == {torch.device("cpu")}
     monkeypatch.undo()
 
