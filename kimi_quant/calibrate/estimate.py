@@ -17,7 +17,9 @@ The run (calibrate/run.py) is one driver, layer by layer, and GPTQ jobs spread o
 Rates, measured here in well under a second each: fp32 matmul on one thread (the forward's Linears,
 attention scores, Hessian products), seconds per element of the attention's elementwise work, the
 fixed cost of one small torch op (the forward's Python overhead per op), and GPTQ on two small
-matrices per scheme, fitted to ``a K + b (N K^2 + K^3)``. Start-up is stated in ``STARTUP_S`` (measured:
+matrices per scheme, fitted to ``a K + b (N K^2 + K^3)``. All of them are CPU rates: with ``--device cuda|npu``
+the times are those of the run on CPUs (no device rate is measured) and say so; the memory then names what
+lives on the device (``driver_bytes``' weights, state, forward and Hessians). Start-up is stated in ``STARTUP_S`` (measured:
 docs/calibration.md). Memory: ``driver_bytes`` and ``worker_bytes`` below (the run's own accounting,
 checked against measured peaks by scripts/measure_gptq_memory.py).
 """
@@ -392,4 +394,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
             "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(biggest),
-            "memory_bytes": local_peak if executor == "local" else driver["total"]}
+            "memory_bytes": local_peak if executor == "local" else driver["total"],
+            "device": cfg.device, "rates_from": "cpu",
+            "device_memory_bytes": 0 if cfg.device == "cpu" else
+            sum(driver[k] for k in ("weights", "state", "forward", "hessians"))}

@@ -64,7 +64,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     if calibrate:
         require_torch("plan --calibrate (it measures this machine's GPTQ and forward rates)")
     cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
-                       expert_tokens)
+                       expert_tokens, need_device=False)
     check_staging_options(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not is_local_dir(source)
     src = open_named_source(source, revision, work_dir if hub else None)
@@ -171,7 +171,16 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"~{fmt_size(e['driver_memory_bytes'])} driver (state of {cal.tokens} tokens {fmt_size(d['state'])}, forward "
             f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])})"
             + (f", ~{fmt_size(e['memory_bytes'])} peak on this machine" if e["executor"] == "local" else "")
-            + "; shards are cut at layer boundaries"]
+            + "; shards are cut at layer boundaries"] + _device_lines(e)
+
+
+def _device_lines(e: dict) -> list[str]:
+    """With --device cuda|npu: the times above are CPU estimates; what the device holds."""
+    if e["device"] == "cpu":
+        return []
+    return [f"         --device {e['device']}: the forward, Hessians and GPTQ times above are CPU estimates (this "
+            f"machine's CPU rates; no {e['device']} rate is measured); on the device: "
+            f"~{fmt_size(e['device_memory_bytes'])} (the driver's weights, state, forward and Hessians)"]
 
 
 def packed_source_lines(p, calibrated: bool) -> list[str]:

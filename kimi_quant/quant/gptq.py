@@ -118,7 +118,8 @@ class GPTQConfig:
             raise ValueError(f"GPTQConfig.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
 
 
-def _device(name: str):
+def torch_device(name: str):
+    """The torch device of a ``--device`` name (refused with one line where torch has no such device)."""
     import torch
 
     if name == "cuda":
@@ -257,7 +258,7 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     codec.require(w.shape, matmul)
     nm.check_finite(w)
     N, K = w.shape
-    dev = _device(cfg.device)
+    dev = torch_device(cfg.device)
     factor = hessian_factor(hessian, K, cfg.damp, cfg.act_order, dev)
     judge = Judge(w[:0], np.asarray(hessian), dev)
     step = _rows_per_chunk(N, K)
