@@ -190,9 +190,11 @@ def test_plan_counts_the_all_token_pass_of_under_routed_mxfp4_experts(tiny_a3, t
     assert few["under_routed_share"] == pytest.approx(share) and 0.1 < share < 1
     none = est.estimate(plan, spec, CalibConfig(tokens=256, min_expert_tokens=0), workers=1)
     assert none["under_routed_share"] == 0 and none["all_token_worst_s"] > 0
-    # the expected extra flops: the share of the worst case (one rate measurement per estimate)
-    extra = lambda e: e["forward_core_h"] * e["fp32_gflops"] + e["hessian_core_h"] * e["fp32_gflops"]  # noqa: E731
-    assert extra(few) > extra(none)
+    # the flops added: that share of every such expert's pass on every token (forward and Hessians)
+    fwd, hess, n = est._all_token_flops(est._linears(plan, spec), 256, every=False)
+    assert n == few["all_token_experts"]
+    assert few["forward_gflop"] - none["forward_gflop"] == pytest.approx(share * fwd / 1e9)
+    assert few["hessian_gflop"] - none["hessian_gflop"] == pytest.approx(share * hess / 1e9)
     every = est.estimate(plan, spec, CalibConfig(tokens=256, expert_tokens="all"), workers=1)
     assert every["all_token_experts"] == 0  # --expert-tokens all already observes every expert on every token
     _, bf16_plan, bf16_spec = tiny_a3

@@ -387,6 +387,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "forward_s": fwd_s_1 / threads, "hessian_s": hess_s_1 / threads, "gptq_s": gptq_wall,
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
             "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
+            "forward_gflop": fwd_flops / 1e9, "hessian_gflop": hess_flops / 1e9,
             "max_parallel_jobs": max((len(js) for js in jobs.values()), default=0),
             "expert_tokens": cfg.expert_tokens, "expert_tokens_mean": (T if every else T * k / E) if E else 0,
             "all_token_experts": all_token[2], "under_routed_share": under, "all_token_worst_s": all_token_worst_s
