@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kimi_quant.synth import synth  # noqa: E402
 
 
-def _load() -> str:
+def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _digest(out: Path) -> str:
+def output_digest(out: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(out.glob("quant_model_weights-*.safetensors")):
         h.update(p.name.encode())
@@ -59,12 +59,10 @@ def main() -> int:
     args = ap.parse_args()
     counts = [int(w) for w in args.workers.split(",")]
     base = args.dir or Path(tempfile.mkdtemp(prefix="kq-bench-cal-"))
-    src = base / f"bench-{args.experts}"
-    if not (src / "config.json").exists():
-        synth("bench", src, num_experts=args.experts)
+    src = bench_checkpoint(base, args.experts)
     print(f"checkpoint {src} ({sum(p.stat().st_size for p in src.iterdir()) / 1e9:.2f} GB, {args.experts} experts), "
           f"{args.tokens} tokens, target {args.target}, {os.cpu_count()} cores")
-    print(f"load before: {_load()}")
+    print(f"load before: {load_average()}")
     rows = []
     for rep in range(args.repeat):
         for w in counts:
@@ -72,7 +70,7 @@ def main() -> int:
             if isinstance(row, int):
                 return row
             rows.append(row)
-    print(f"load after: {_load()}")
+    print(f"load after: {load_average()}")
     best = {w: min(r[1] for r in rows if r[0] == w) for w in counts}
     w0 = counts[0]
     for w in counts[1:]:
@@ -83,33 +81,56 @@ def main() -> int:
     return 0 if same else 1
 
 
-def _run(args, src: Path, base: Path, w: int):
-    """One conversion with ``w`` workers: (w, wall s, digest), or its exit code when it failed."""
-    out = base / f"out-w{w}"
+def bench_checkpoint(base: Path, experts: int) -> Path:
+    """The bench checkpoint with ``experts`` routed experts per layer under ``base`` (written once)."""
+    src = base / f"bench-{experts}"
+    if not (src / "config.json").exists():
+        synth("bench", src, num_experts=experts)
+    return src
+
+
+def convert_once(src: Path, out: Path, tokens: int, target: str, workers: int, expert_tokens: str = "routed",
+                 phases: Path | None = None, extra: tuple[str, ...] = ()):
+    """One calibrated ``kimi-quant convert`` in a fresh process: (wall s, driver CPU s, the finished process, its
+    phases (calibrate/phases.py, ``before``: start-up until the conversion began) or None)."""
     shutil.rmtree(out, ignore_errors=True)  # a complete output would only be verified and kept
-    cmd = [sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", args.target, "-o", str(out),
-           "--calibrate", "--tokens", str(args.tokens), "--workers", str(w), "--overwrite", "-q",
-           "--expert-tokens", args.expert_tokens]
-    phases = base / f"phases-w{w}.json"
-    phases.unlink(missing_ok=True)
-    env = {**os.environ, "KIMI_QUANT_CALIB_PHASES": str(phases)} if args.phases else None
+    cmd = [sys.executable, "-m", "kimi_quant.cli", "convert", str(src), "-t", target, "-o", str(out),
+           "--calibrate", "--tokens", str(tokens), "--workers", str(workers), "--overwrite", "-q",
+           "--expert-tokens", expert_tokens, *extra]
+    if phases is not None:
+        phases.unlink(missing_ok=True)
+    env = {**os.environ, "KIMI_QUANT_CALIB_PHASES": str(phases)} if phases is not None else None
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # the converting process's own CPU (its workers are the fork server's children: not counted here)
+    cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
+    ph = None
+    if phases is not None and phases.exists() and not r.returncode:
+        ph = json.loads(phases.read_text())
+        ph["before"] = round(wall - ph.pop("total"), 1)
+    return wall, cpu, r, ph
+
+
+def phases_line(ph: dict) -> str:
+    return "  phases (s): " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in sorted(ph.items()))
+
+
+def _run(args, src: Path, base: Path, w: int):
+    """One conversion with ``w`` workers: (w, wall s, digest), or its exit code when it failed."""
+    out = base / f"out-w{w}"
+    wall, cpu, r, ph = convert_once(src, out, args.tokens, args.target, w, args.expert_tokens,
+                                    base / f"phases-w{w}.json" if args.phases else None)
     if r.returncode:
         print(r.stderr, file=sys.stderr)
         return r.returncode
-    cpu = cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime
-    # the converting process's own CPU (its workers are the fork server's children: not counted here)
-    print(f"workers {w}: wall {wall:.1f} s, driver CPU {cpu:.1f} s (load now {_load()})", flush=True)
-    if args.phases and phases.exists():
-        ph = json.loads(phases.read_text())
-        ph["before"] = round(wall - ph.pop("total"), 1)
-        print("  phases (s): " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
-                                          for k, v in sorted(ph.items())), flush=True)
-    return w, wall, _digest(out)
+    print(f"workers {w}: wall {wall:.1f} s, driver CPU {cpu:.1f} s (load now {load_average()})", flush=True)
+    if ph is not None:
+        print(phases_line(ph), flush=True)
+    return w, wall, output_digest(out)
 
 if __name__ == "__main__":
     sys.exit(main())

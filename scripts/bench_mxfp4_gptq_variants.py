@@ -4,9 +4,13 @@
 evaluation windows for every variant (the first 5 and all windows of heldout and pydoc, 256 tokens each), each
 variant quantized sequentially as ``convert --calibrate`` does. Ratios against the MXFP4 model with int8
 activations. A variant is a JSON object of GPTQConfig fields, plus ``calib`` (calibration windows of 256 tokens,
-default 8).
+default 8) and ``attention`` (a bench_quality scheme for q/k/v/o; default: the MLP's int4). The MLP stands for
+Kimi K3's routed experts, the only MXFP4 tensors of the release; its attention is BF16, which the a3 recipe
+makes W8A8_DYNAMIC (``"attention": "W8A8_DYNAMIC+gptq"`` is what ``convert --calibrate`` does to it, with its default GPTQ
+settings: the variant's apply to the MLP).
 
     python scripts/bench_mxfp4_gptq_variants.py '{"calib": 32}' '{"calib": 32, "clip_after": true}'
+    python scripts/bench_mxfp4_gptq_variants.py '{"calib": 32, "attention": "W8A8_DYNAMIC+gptq"}'
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import bench_quality as bq  # noqa: E402
 from kimi_quant.quant.gptq import GPTQConfig  # noqa: E402
 
 SEQ = 256
+MLP = ("gate_proj", "up_proj", "down_proj")  # the stand-in's routed experts
 
 
 def main(argv=None) -> int:
@@ -41,10 +46,18 @@ def main(argv=None) -> int:
     for v in variants:
         kw = json.loads(v)
         calib = bq.windows(tok, "train", kw.pop("calib", 8), SEQ)
+        attention = bq.BY_NAME[kw.pop("attention", scheme.name)]
         cfg = GPTQConfig(**{k: tuple(x) if isinstance(x, list) else x for k, x in kw.items()})
+
+        def quantize(name, H):
+            proj = name.rsplit(".", 1)[-1]
+            if proj in MLP or attention is scheme:
+                return bq.quantize_weight(scheme, u16[name], bq.PROJ[proj], H, cfg)
+            # K3's attention is BF16: convert's own GPTQ settings, not the variant's for MXFP4 values
+            return bq.quantize_weight(attention, u16[name], bq.PROJ[proj], H, GPTQConfig())
+
         t = time.perf_counter()
-        bq.quantize_sequential(model, linears, calib, lambda n, H: bq.quantize_weight(
-            scheme, u16[n], bq.PROJ[n.rsplit(".", 1)[-1]], H, cfg), "int8", 4)
+        bq.quantize_sequential(model, linears, calib, quantize, "int8", 4)
         tq = time.perf_counter() - t
         r = {k: bq.perplexity(model, linears, d, "int8", 4) / ref[k] for k, d in evals.items()}
         for n, m in linears.items():

@@ -131,6 +131,20 @@ def error_line(stderr: str) -> str:
     return lines[0]
 
 
+def refused_calibrated_resume(source, out, made_with: tuple, resumed_with: tuple) -> tuple[str, list[str]]:
+    """Calibrate ``source`` into ``out`` (a3, one worker) with ``made_with``, then resume with ``resumed_with``:
+    the refusal's one line and the command it names as the one that made the output, split as a shell does."""
+    import shlex
+
+    base = ("convert", source, "-t", "a3", "-o", out, "-q", "--calibrate", "--workers", "1")
+    r = kq(*base, *made_with)
+    assert r.returncode == 0, r.stderr
+    r = kq(*base, *resumed_with)
+    line = error_line(r.stderr)
+    assert r.returncode == 2, line
+    return line, shlex.split(line.split("the command that made it: ", 1)[1])
+
+
 LOADABLE = ("quant_model_weights.safetensors.index.json", "quant_model_description.json")
 
 

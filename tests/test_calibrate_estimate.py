@@ -97,21 +97,27 @@ def test_worker_memory_formula_covers_a_measured_gptq_job():
         assert peak <= est.worker_bytes(N, K) <= 2 * peak, (N, K, peak, est.worker_bytes(N, K))
 
 
-@pytest.mark.skipif(os.getloadavg()[0] > 2 * (os.cpu_count() or 1),
-                    reason="the machine is loaded: wall time says nothing about the estimate")
-def test_plan_time_is_within_2x_of_a_measured_calibrated_convert(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_a3(tmp_path_factory):
+    """The tiny synthetic model: its directory, its calibrated a3 plan and its model spec."""
     from kimi_quant.convert import build_plan
     from kimi_quant.model.spec import load_model_spec_from_source
     from kimi_quant.source import open_source
 
-    src_dir = synth("tiny", tmp_path / "tiny")
-    tokens = 2048
+    src_dir = synth("tiny", tmp_path_factory.mktemp("tiny") / "tiny")
     src = open_source(str(src_dir))
     try:
-        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
-        spec = load_model_spec_from_source(src, recipe_given=True)
+        return src_dir, build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True), \
+            load_model_spec_from_source(src, recipe_given=True)
     finally:
         src.close()
+
+
+@pytest.mark.skipif(os.getloadavg()[0] > 2 * (os.cpu_count() or 1),
+                    reason="the machine is loaded: wall time says nothing about the estimate")
+def test_plan_time_is_within_2x_of_a_measured_calibrated_convert(tiny_a3, tmp_path):
+    src_dir, plan, spec = tiny_a3
+    tokens = 2048
     e = est.estimate(plan, spec, CalibConfig(tokens=tokens), workers=1)
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "convert", str(src_dir), "-t", "a3", "-o",
@@ -123,18 +129,10 @@ def test_plan_time_is_within_2x_of_a_measured_calibrated_convert(tmp_path):
     assert measured / 2 <= e["wall_seconds"] <= measured * 2
 
 
-def test_the_forward_is_estimated_on_the_threads_the_run_gives_it_and_all_expert_tokens_cost_more(tmp_path):
+def test_the_forward_is_estimated_on_the_threads_the_run_gives_it_and_all_expert_tokens_cost_more(tiny_a3):
     from kimi_quant.calibrate.run import forward_threads
-    from kimi_quant.convert import build_plan
-    from kimi_quant.model.spec import load_model_spec_from_source
-    from kimi_quant.source import open_source
 
-    src = open_source(str(synth("tiny", tmp_path / "tiny")))
-    try:
-        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
-        spec = load_model_spec_from_source(src, recipe_given=True)
-    finally:
-        src.close()
+    _, plan, spec = tiny_a3
     routed = est.estimate(plan, spec, CalibConfig(tokens=2048), workers=2)
     assert routed["driver_threads"] == forward_threads("local", 2)  # what run_calibrated gives its forward
     assert routed["forward_s"] * routed["driver_threads"] == pytest.approx(routed["forward_core_h"] * 3600)
@@ -146,20 +144,10 @@ def test_the_forward_is_estimated_on_the_threads_the_run_gives_it_and_all_expert
     assert flops(every) > 1.3 * flops(routed)  # the experts' Hessians from E/k x the tokens
 
 
-def test_a_described_driver_sets_the_forward_threads_and_caps_local_workers(tmp_path):
+def test_a_described_driver_sets_the_forward_threads_and_caps_local_workers(tiny_a3):
     """plan --driver-cores: the forward runs on min(workers, the driver's cores) threads, local GPTQ workers
     are capped at those cores (Ray workers are not), and the forward's core-hours are spread over those threads."""
-    from kimi_quant.convert import build_plan
-    from kimi_quant.model.spec import load_model_spec_from_source
-    from kimi_quant.source import open_source
-
-    src_dir = synth("tiny", tmp_path / "tiny")
-    src = open_source(str(src_dir))
-    try:
-        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
-        spec = load_model_spec_from_source(src, recipe_given=True)
-    finally:
-        src.close()
+    src_dir, plan, spec = tiny_a3
     cfg = CalibConfig(tokens=512)
     ray = est.estimate(plan, spec, cfg, workers=1024, executor="ray", driver_cores=64)
     assert ray["driver_threads"] == 64 and ray["gptq_workers"] == 1024
@@ -196,3 +184,44 @@ def test_int4_from_a_packed_mxfp4_source_is_costed_at_its_own_gptq_rate(monkeypa
     assert name0 == name1 == "W4A8_DYNAMIC"
     assert cfg0 == gptq.GPTQConfig() and cfg1 == gptq.for_mxfp4_weights(gptq.GPTQConfig()) != cfg0
     assert not nm.on_mxfp4_grid(w0) and nm.on_mxfp4_grid(w1)
+
+
+def test_under_routed_share_is_the_binomial_tail():
+    from math import comb
+
+    for T, p, floor in ((64, 0.1, 5), (300, 0.03, 9), (2048, 16 / 896, 32), (10, 0.5, 0)):
+        exact = sum(comb(T, j) * p ** j * (1 - p) ** (T - j) for j in range(min(floor, T + 1)))
+        assert est.under_routed_share(T, p, floor) == pytest.approx(exact, rel=1e-9, abs=1e-300)
+    assert est.under_routed_share(8192, 16 / 896, 32) < 1e-20  # K3.1 Pro at the defaults, balanced routing
+
+
+def test_plan_counts_the_all_token_pass_of_under_routed_mxfp4_experts(tiny_a3, tmp_path):
+    """a3 --calibrate from the released layout: routed experts under --min-expert-tokens get an all-token
+    pass; the estimate adds its expected share (balanced routing) and states the worst case; a BF16 source has none."""
+    from kimi_quant.convert import build_plan
+    from kimi_quant.model.spec import load_model_spec_from_source
+    from kimi_quant.source import open_source
+
+    src = open_source(str(synth("tiny", tmp_path / "released", experts="mxfp4")))
+    try:
+        plan = build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True)
+        spec = load_model_spec_from_source(src, recipe_given=True)
+    finally:
+        src.close()
+    t = spec.text
+    moe_layers = t.num_hidden_layers - t.first_k_dense_replace
+    few = est.estimate(plan, spec, CalibConfig(tokens=256, min_expert_tokens=64), workers=1)
+    assert few["all_token_experts"] == moe_layers * t.num_experts
+    share = est.under_routed_share(256, t.num_experts_per_token / t.num_experts, 64)
+    assert few["under_routed_share"] == pytest.approx(share) and 0.1 < share < 1
+    none = est.estimate(plan, spec, CalibConfig(tokens=256, min_expert_tokens=0), workers=1)
+    assert none["under_routed_share"] == 0 and none["all_token_worst_s"] > 0
+    # the flops added: that share of every such expert's pass on every token (forward and Hessians)
+    fwd, hess, n = est._all_token_flops(est._linears(plan, spec), 256, every=False)
+    assert n == few["all_token_experts"]
+    assert few["forward_gflop"] - none["forward_gflop"] == pytest.approx(share * fwd / 1e9)
+    assert few["hessian_gflop"] - none["hessian_gflop"] == pytest.approx(share * hess / 1e9)
+    every = est.estimate(plan, spec, CalibConfig(tokens=256, expert_tokens="all"), workers=1)
+    assert every["all_token_experts"] == 0  # --expert-tokens all already observes every expert on every token
+    _, bf16_plan, bf16_spec = tiny_a3
+    assert est.estimate(bf16_plan, bf16_spec, CalibConfig(tokens=256), workers=1)["all_token_experts"] == 0

@@ -5,7 +5,6 @@ Hessian saw; the setting is bound to the output (a re-run with another value is 
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ from kimi_quant.runtime import forward as fw
 from kimi_quant.synth import synth
 from kimi_quant.verify import verify_output
 
-from conftest import error_line, kq, snapshot
+from conftest import error_line, kq, refused_calibrated_resume, snapshot
 
 torch.set_num_threads(1)
 TOKENS = 512
@@ -109,14 +108,9 @@ def test_all_tokens_calibrates_every_expert_and_reports_the_tokens(source, tmp_p
 
 
 def test_resume_with_another_expert_tokens_is_refused_naming_it(source, tmp_path):
-    out = tmp_path / "out"
-    r = kq("convert", source, "-t", "a3", "-o", out, "-q", "--calibrate", "--tokens", "256", "--expert-tokens", "all",
-           "--workers", "1")
-    assert r.returncode == 0, r.stderr
-    r = kq("convert", source, "-t", "a3", "-o", out, "-q", "--calibrate", "--tokens", "256", "--workers", "1")
-    line = error_line(r.stderr)
-    assert r.returncode == 2 and "--expert-tokens all" in line, line
-    args = shlex.split(line.split("the command that made it: ", 1)[1])
+    line, args = refused_calibrated_resume(source, tmp_path / "out", ("--tokens", "256", "--expert-tokens", "all"),
+                                           ("--tokens", "256"))
+    assert "--expert-tokens all" in line, line
     assert args[args.index("--expert-tokens") + 1] == "all"
     r = kq("convert", source, "-t", "a3", "-o", tmp_path / "x", "--expert-tokens", "all")
     assert r.returncode == 2 and "only with --calibrate" in error_line(r.stderr)

@@ -40,7 +40,7 @@ OPTIONS = {
     "--tokens": ("how many tokens of that command's text", {"plan", "convert", "validate"}),
     "--act-order": ("GPTQ column order", {"plan", "convert"}),
     "--damp": ("GPTQ dampening", {"plan", "convert"}),
-    "--device": ("where GPTQ runs", {"plan", "convert"}),
+    "--device": ("where GPTQ, the forward and the Hessians run", {"plan", "convert"}),
     "--min-expert-tokens": ("tokens a routed expert needs for GPTQ", {"plan", "convert"}),
     "--expert-tokens": ("the tokens a routed expert's Hessian sees", {"plan", "convert"}),
     "--output": ("the directory written", {"convert", "synth", "demo"}),

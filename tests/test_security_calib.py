@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import error_line, fresh_copy, kq, snapshot  # noqa: E402
+from conftest import fresh_copy, kq, refused_calibrated_resume, snapshot  # noqa: E402
 
 from kimi_quant.calibrate import CalibConfig  # noqa: E402
 from kimi_quant.calibrate import run as calib_run  # noqa: E402
@@ -193,16 +192,10 @@ def test_a_tampered_state_is_discarded_with_one_line(source, tmp_path, monkeypat
 
 
 def test_other_calibration_settings_are_named_and_the_finish_command_carries_them(source, tmp_path):
-    out = tmp_path / "out"
-    r = kq("convert", source, "-t", "a3", "-o", out, "-q", "--calibrate", "--calib-tokens", "512", "--damp", "0.05",
-           "--workers", "1")
-    assert r.returncode == 0, r.stderr
-    r = kq("convert", source, "-t", "a3", "-o", out, "-q", "--calibrate", "--calib-tokens", "1024", "--workers", "1")
-    line = error_line(r.stderr)
-    assert r.returncode == 2 and "--calibrate was" in line and "--tokens 512" in line, line
+    line, args = refused_calibrated_resume(source, tmp_path / "out", ("--calib-tokens", "512", "--damp", "0.05"),
+                                           ("--calib-tokens", "1024"))
+    assert "--calibrate was" in line and "--tokens 512" in line, line
     assert "the source's shards" not in line
-    finish = line.split("the command that made it: ", 1)[1]
-    args = shlex.split(finish)
-    assert args[:2] == ["kimi-quant", "convert"] and "--calibrate" in args and "--damp" in args, finish
+    assert args[:2] == ["kimi-quant", "convert"] and "--calibrate" in args and "--damp" in args, line
     again = kq(*args[1:], "-q")
     assert again.returncode == 0, again.stderr  # the command it names is accepted, and finishes the output

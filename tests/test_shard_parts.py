@@ -346,7 +346,9 @@ def test_a_whole_shard_job_hashes_as_it_writes(tmp_path):
     asm.abort()
 
 
-def test_many_shards_run_whole_and_only_the_tail_is_split(src, tmp_path, monkeypatch):
+@pytest.fixture
+def shard_kinds(monkeypatch) -> list[bool]:
+    """Whether each shard job the scheduler opens is whole (True) or split into parts (False), in order."""
     from kimi_quant.executor import shards as sched
 
     kinds = []
@@ -357,6 +359,11 @@ def test_many_shards_run_whole_and_only_the_tail_is_split(src, tmp_path, monkeyp
         return real(*a, **kw)
 
     monkeypatch.setattr(sched, "OpenShard", spy)
+    return kinds
+
+
+def test_many_shards_run_whole_and_only_the_tail_is_split(src, tmp_path, shard_kinds):
+    kinds = shard_kinds
     shard = 700_000  # the last shard quantizes most of its bytes (at 1 MB it holds only copied FLOAT tensors)
     ref = streamed(src, "a3", shard, tmp_path / "ref")
     out = tmp_path / "out"
@@ -370,20 +377,13 @@ def test_many_shards_run_whole_and_only_the_tail_is_split(src, tmp_path, monkeyp
     assert shards(out1) == ref and all(kinds)  # one worker never splits: no cost over the streaming writer
 
 
-def test_a_shard_of_copied_bytes_is_one_job_whatever_is_left(tmp_path, monkeypatch):
+def test_a_shard_of_copied_bytes_is_one_job_whatever_is_left(tmp_path, shard_kinds):
     """950dt from the released layout copies the MXFP4 experts as they are: the shard's sha256, on one
     thread however split, bounds it, so even the run's last (here only) shard is one whole job, written
     on one core and hashed on another, with the streaming writer's bytes. A BF16 source's is split."""
     from kimi_quant.executor import shards as sched
 
-    kinds = []
-    real = sched.OpenShard
-
-    def spy(*a, **kw):
-        kinds.append(kw.get("whole", False))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(sched, "OpenShard", spy)
+    kinds = shard_kinds
     released = synth("tiny", tmp_path / "released", experts="mxfp4")
     bf16 = synth("tiny", tmp_path / "bf16")
     for src, whole in ((released, True), (bf16, False)):

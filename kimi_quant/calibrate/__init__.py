@@ -14,7 +14,7 @@ Data flow (one decoder layer at a time, in order)::
 
 * ``hessian``: the observer that turns Linear inputs into ``H = (1/n) sum x x^T`` (float64).
 * ``layered``: the layer-ordered plan (same shard naming, index and description as ``convert``).
-* ``run``: the driver; ``layer_io``: the weights it reads and the shard writer it fills;
+* ``run``: the driver (``device``: where its forward and Hessians run); ``layer_io``: the weights it reads and the shard writer it fills;
   ``jobs``: the GPTQ problems of a layer as jobs, run in this process or in local worker processes
   (``ray_jobs``: as Ray tasks); ``estimate``: ``plan --calibrate``'s time and memory estimate.
 

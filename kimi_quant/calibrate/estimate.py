@@ -17,13 +17,16 @@ The run (calibrate/run.py) is one driver, layer by layer, and GPTQ jobs spread o
 Rates, measured here in well under a second each: fp32 matmul on one thread (the forward's Linears,
 attention scores, Hessian products), seconds per element of the attention's elementwise work, the
 fixed cost of one small torch op (the forward's Python overhead per op), and GPTQ on two small
-matrices per scheme, fitted to ``a K + b (N K^2 + K^3)``. Start-up is stated in ``STARTUP_S`` (measured:
+matrices per scheme, fitted to ``a K + b (N K^2 + K^3)``. All of them are CPU rates: with ``--device cuda|npu``
+the times are those of the run on CPUs (no device rate is measured) and say so; the memory then names what
+lives on the device (``driver_bytes``' weights, state, forward and Hessians). Start-up is stated in ``STARTUP_S`` (measured:
 docs/calibration.md). Memory: ``driver_bytes`` and ``worker_bytes`` below (the run's own accounting,
 checked against measured peaks by scripts/measure_gptq_memory.py).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import defaultdict
@@ -238,6 +241,38 @@ def _jobs_and_hessians(linears: list, cfg: CalibConfig):
     return jobs, hess, nonexpert, max(expert_bytes.values(), default=0)
 
 
+def under_routed_share(T: int, p: float, floor: int) -> float:
+    """The share of routed experts seeing fewer than ``floor`` of ``T`` tokens when each token picks an expert
+    with probability ``p`` (balanced routing: binomial; a skewed router leaves more below the floor)."""
+    if floor <= 0 or p <= 0:
+        return 0.0
+    if p >= 1:
+        return float(T < floor)
+    log = lambda j: (math.lgamma(T + 1) - math.lgamma(j + 1) - math.lgamma(T - j + 1)  # noqa: E731
+                     + j * math.log(p) + (T - j) * math.log1p(-p))
+    return min(1.0, sum(math.exp(log(j)) for j in range(min(floor, T + 1))))
+
+
+def _all_token_flops(linears: list, T: int, every: bool) -> tuple[float, float, int]:
+    """(forward flops, Hessian flops, experts) of observing on every token each routed expert whose weights are
+    a packed source's MXFP4 values made per-channel int4: what the run does for such an expert when it is
+    under-routed (``--expert-tokens all`` already counts it for every expert)."""
+    if every:
+        return 0.0, 0.0, 0
+    fwd = hess = 0.0
+    keys, experts = set(), set()
+    for tp, N, K, layer, stage, expert, shares in linears:
+        if stage != EXPERTS or not tp.packed or tp.scheme != "W4A8_DYNAMIC" or tp.group_size or tp.repack:
+            continue
+        experts.add((layer, expert))
+        fwd += 2 * N * K * T
+        key = _hessian_key(tp.name, layer, stage, expert, K, shares)
+        if key not in keys:
+            keys.add(key)
+            hess += 2 * K * K * T
+    return fwd, hess, len(experts)
+
+
 def worker_bytes(N: int, K: int, kind: str = "") -> int:
     """Resident bytes of a worker quantizing one [N, K] Linear of job kind ``kind`` (``job_kind``): its base, the
     weight (float32), the Hessian as received (``hessian.hessian_bytes``) and GPTQ's working set
@@ -332,6 +367,11 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     for keys in hess.values():
         for key, K in keys.items():
             hess_flops += 2 * K * K * T * (k / E if key[1] == EXPERTS and not every else 1.0)
+    # routed MXFP4 experts under --min-expert-tokens run once more on every token (run.py, ``on_all``)
+    all_token = _all_token_flops(linears, T, every)
+    under = under_routed_share(T, k / E, cfg.min_expert_tokens) if E and not every else 0.0
+    fwd_flops += under * all_token[0]
+    hess_flops += under * all_token[1]
     windows = max(1, T // cfg.seq_len)
     mla_layers = sum(1 for i in range(layers) if not (t.is_kda(i) and not t.is_full_attn(i)))
     kda_layers = layers - mla_layers
@@ -345,6 +385,8 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     ops = layers * 4 * OPS_PER_LAYER_PASS + (layers - t.first_k_dense_replace) * min(E, T * k) * OPS_PER_EXPERT * 3
     fwd_s_1 = fwd_flops / fp32 + 2 * attn_s_1 + ops * op_s
     hess_s_1 = hess_flops / fp32
+    # if every such expert were under-routed (a skewed router): what the all-token pass would add at most
+    all_token_worst_s = (1.0 - under) * sum(all_token) / fp32 / threads
     forward_wall = (fwd_s_1 + hess_s_1) / threads
     startup = STARTUP_S.get(executor, STARTUP_S["local"])
     wall = startup + forward_wall + gptq_wall
@@ -366,9 +408,15 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "forward_s": fwd_s_1 / threads, "hessian_s": hess_s_1 / threads, "gptq_s": gptq_wall,
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
             "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
+            "forward_gflop": fwd_flops / 1e9, "hessian_gflop": hess_flops / 1e9,
             "max_parallel_jobs": max((len(js) for js in jobs.values()), default=0),
             "expert_tokens": cfg.expert_tokens, "expert_tokens_mean": (T if every else T * k / E) if E else 0,
+            "all_token_experts": all_token[2], "under_routed_share": under, "all_token_worst_s": all_token_worst_s
+            if all_token[2] else 0.0,
             "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
             "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(biggest[:2]),
-            "memory_bytes": local_peak if executor == "local" else driver["total"]}
+            "memory_bytes": local_peak if executor == "local" else driver["total"],
+            "device": cfg.device, "rates_from": "cpu",
+            "device_memory_bytes": 0 if cfg.device == "cpu" else
+            sum(driver[k] for k in ("weights", "state", "forward", "hessians"))}

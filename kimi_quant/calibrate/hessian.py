@@ -3,7 +3,8 @@
 For a Linear ``y = x W^T`` with inputs x_1..x_n (the calibration tokens that reach it), GPTQ needs
 ``H = (1/n) sum_t x_t x_t^T`` ([K, K], float64). Linears fed the same tensor (q/k/v of one
 attention, w1/w3 of one expert) share one accumulator: the product is formed once.
-Each call's product ``x^T x`` is formed in float32 (half the time of float64; bf16 inputs make every
+The sums live where the inputs are (the forward's device, ``calibrate/device.py``); what is handed out is
+on the CPU. Each call's product ``x^T x`` is formed in float32 (half the time of float64; bf16 inputs make every
 term exact, only the sum over that call's tokens rounds: ~1e-6 relative) and added to a float64 sum.
 Above ``gptq_factor.FLOAT64_MAX_K`` inputs (a dense MLP's down projection, K ~ 34k: 9 GB in float64) the
 sum itself is float32, accumulated in place (``addmm_``), and handed to GPTQ as it is, divided in
@@ -52,7 +53,8 @@ class HessianCollector:
         if key is None:
             key = self._key[name] = self._next
             self._next += 1
-            self._sum[key] = torch.zeros(K, K, dtype=torch.float64 if K <= FLOAT64_MAX_K else torch.float32)
+            self._sum[key] = torch.zeros(K, K, dtype=torch.float64 if K <= FLOAT64_MAX_K else torch.float32,
+                                         device=xf.device)
             self._n[key] = 0
         if key in self._final:
             raise RuntimeError(f"{name}: inputs observed after its Hessian was handed out")
@@ -78,12 +80,12 @@ class HessianCollector:
             return None
         h = self._sum[key]
         if h.dtype != torch.float64:  # float32 (large K): divided in place once, handed out without a copy
-            if key not in self._final:
-                h.div_(self._n[key])
+            if key not in self._final:  # (from a device: its one CPU copy, the device's sum freed)
+                h = self._sum[key] = h.div_(self._n[key]).cpu()
                 self._final.add(key)
             return h.numpy()
         if self._last is None or self._last[0] != key:
-            self._last = (key, (h / self._n[key]).numpy())
+            self._last = (key, (h / self._n[key]).cpu().numpy())
         return self._last[1]
 
     def drop(self, names: Iterable[str]) -> None:

@@ -21,7 +21,8 @@ ENV = "KIMI_QUANT_CALIB_PHASES"
 class Phases:
     """Exclusive wall seconds per phase name; ``with phases("forward"): ...``."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
+        self._sync = sync  # waits for a device's queued work, so that its kernels count in the phase that issued them
         self.seconds: dict[str, float] = defaultdict(float)
         self._stack: list[list[float]] = []  # [start, seconds of nested phases]
 
@@ -31,6 +32,8 @@ class Phases:
         try:
             yield
         finally:
+            if self._sync is not None:
+                self._sync()
             start, inner = self._stack.pop()
             took = time.perf_counter() - start
             self.seconds[name] += took - inner

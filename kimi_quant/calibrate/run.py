@@ -21,7 +21,8 @@ Linears of a stage (attention side; the MLP's non-routed Linears with the first 
 batch of experts) are handed out at once and written back in plan order as their results arrive. The forward
 and the Hessians run here, between the stages (no GPTQ job outstanding), on the cores the run was given
 (``forward_threads``: torch's intra-op threads; one thread while jobs run). Its products give the same bits on
-any number of threads, so the bytes do not depend on it either.
+any number of threads, so the bytes do not depend on it either. With ``--device cuda|npu`` the forward, its
+states and the Hessians live on that device (``device.py``; ``--device cpu`` takes the same path).
 
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;
@@ -57,6 +58,7 @@ from ..runtime import forward as fw
 from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
 from .config import MIN_TOKENS, CalibConfig
+from .device import DeviceWeights, full_float32, states_to, synchronize, torch_device
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
 from .phases import Phases
@@ -165,7 +167,8 @@ class _Quantizer:
         self.gptq = gptq_config(cfg)
         self.runner = runner
         self.forward_threads = forward_threads
-        self.phases = Phases()
+        self.device = torch_device(cfg.device)  # the forward's and the Hessians' (calibrate/device.py)
+        self.phases = Phases(lambda: synchronize(self.device))
         self.stats = {"gptq_tensors": 0, "data_free_tensors": 0, "routed_experts": 0, "fallback_experts": 0,
                       "never_routed_experts": 0, "all_token_experts": 0}
         self.expert_tokens: list[int] = []  # tokens each routed expert's Hessian saw, in run order
@@ -222,9 +225,9 @@ class _Quantizer:
 
     @contextmanager
     def forward(self) -> Iterator[None]:
-        """A section of the driver's forward: no GPTQ job is outstanding, so it has the run's cores (torch's
-        intra-op threads; the stage's GPTQ jobs run on one thread each, with these set back to one)."""
-        with self.phases("forward"):
+        """A section of the driver's forward (on ``self.device``): no GPTQ job is outstanding, so it has the run's
+        cores (torch's intra-op threads; the stage's GPTQ jobs run on one thread each, with these set back to one)."""
+        with self.phases("forward"), full_float32(self.device):
             torch.set_num_threads(self.forward_threads)
             try:
                 yield
@@ -287,13 +290,14 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
     if resumed is not None:
         layer, saved, stats, expert_tokens = resumed
         if all(u.file in r.done for L in range(layer + 1) for u in by_layer.get(L, [])):
-            start, states = layer + 1, saved
+            start, states = layer + 1, states_to(saved, quant.device)
             quant.stats.update((k, v) for k, v in stats.items() if k in quant.stats)
             quant.expert_tokens = expert_tokens
     if states is None:
         gw, _ = weights.globals(EMBED_NAMES)
         with quant.forward():
-            states = [fw.embed(gw, b) for b in windows]
+            gw = DeviceWeights(gw, quant.device)
+            states = [fw.embed(gw, b.to(quant.device)) for b in windows]
         del gw
     source.prefetch(plan.source_order())
     last_use = _last_use(plan, spec, n_layers)
@@ -345,6 +349,7 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
            cfg: CalibConfig, out_dir: Path, units: list[UnitPlan], spec) -> list:
     """Quantize and write layer i; return the state after it."""
     w_src, _ = weights.layer(i)
+    w = DeviceWeights(w_src, quant.device)  # what the forward reads: on its device
     tensors = [t for u in units for t in u.tensors]
     rel = {t.name: relative_name(spec, t.name) for t in tensors}
     stage = {t.name: stage_of(spec, t.name) for t in tensors}
@@ -393,11 +398,11 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
     coll.want(quantized(by_stage[ATTENTION]))
     with quant.forward(), fw.observe_linear_inputs(observer):
-        parts = fw.layers_attention(tcfg, i, w_src, states)
+        parts = fw.layers_attention(tcfg, i, w, states)
     emit(by_stage[ATTENTION], {})
     if propagate and deq:
         with quant.forward():
-            parts = fw.layers_attention(tcfg, i, Overlay(w_src, deq), states, act)
+            parts = fw.layers_attention(tcfg, i, DeviceWeights(Overlay(w, deq), quant.device), states, act)
     # 2. the MLP: non-routed Linears and the first batch of experts in one full pass (and one set of GPTQ
     # jobs), then the other batches of experts
     experts = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
@@ -406,13 +411,13 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     coll.want(quantized(by_stage[MLP]))
     coll.want(n for e in batches[0] for n in quantized(expert_tensors[e]))
     with quant.forward(), fw.observe_linear_inputs(observer):
-        out_bf16 = fw.layers_mlp(tcfg, i, w_src, parts, observe_every_token=batches[0] if all_tokens else ())
+        out_bf16 = fw.layers_mlp(tcfg, i, w, parts, observe_every_token=batches[0] if all_tokens else ())
     h2ns = [h2n for _, _, h2n in parts]
     for j, batch in enumerate(batches):
         if j:
             coll.want(n for e in batch for n in quantized(expert_tensors[e]))
             with quant.forward(), fw.observe_linear_inputs(observer):
-                fw.moe_many(tcfg, w_src, h2ns, experts=set(batch), observe_every_token=batch if all_tokens else ())
+                fw.moe_many(tcfg, w, h2ns, experts=set(batch), observe_every_token=batch if all_tokens else ())
         floor, on_all = count_experts(batch)
         if on_all:
             # the data-free int4 rule cannot hold MXFP4 values and the plan fixed int4 for the whole fused MoE
@@ -421,7 +426,7 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
             coll.drop(names)
             coll.want(names)
             with quant.forward(), fw.observe_linear_inputs(observer):
-                fw.moe_many(tcfg, w_src, h2ns, experts=set(on_all), observe_every_token=on_all)
+                fw.moe_many(tcfg, w, h2ns, experts=set(on_all), observe_every_token=on_all)
             floor.update((t.name, 0) for e in on_all for t in expert_tensors[e])
             quant.stats["all_token_experts"] += len(on_all)
             quant.expert_tokens += [max(coll.tokens(n) for n in quantized(expert_tensors[e])) for e in on_all]
@@ -435,7 +440,7 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     readback = Readback(out_dir, units, spec)
     try:
         with quant.forward():
-            return fw.layers_mlp(tcfg, i, Overlay(w_src, deq, readback), parts, act)
+            return fw.layers_mlp(tcfg, i, DeviceWeights(Overlay(w, deq, readback), quant.device), parts, act)
     finally:
         readback.close()
 
@@ -458,6 +463,7 @@ def _globals(tcfg, weights: SourceWeights, states: list, writer: UnitWriter, qua
         coll.want(wanted)
         gw, gact = weights.globals(HEAD_NAMES)
         with quant.forward(), fw.observe_linear_inputs(quant.phases.observer(coll)):
+            gw = DeviceWeights(gw, quant.device)
             for st in states:
                 fw.head(tcfg, gw, st)
         del gw

@@ -46,9 +46,9 @@ def save_state(out_dir: Path, binding: str, layer: int, states: list, stats: dic
 
     tensors = {}
     for b, st in enumerate(states):
-        tensors[f"x.{b}"] = st.x.contiguous()
+        tensors[f"x.{b}"] = st.x.cpu().contiguous()  # the forward's device may be another
         for k, blk in enumerate(st.blocks):
-            tensors[f"blocks.{b}.{k}"] = blk.contiguous()
+            tensors[f"blocks.{b}.{k}"] = blk.cpu().contiguous()
     bad = next((n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
     if bad is not None:  # a NaN state would be resumed from forever, blamed on the source: never saved
         raise KimiQuantError(f"calibration: the activations after layer {layer} hold a NaN or Inf ({bad}): the "

@@ -67,6 +67,15 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
             device="cpu", min_expert_tokens=None, expert_tokens=None):
     """Convert SOURCE (a local directory or a hub repo id) for a device family.
 
+    \b
+    Examples:
+      kimi-quant convert moonshotai/Kimi-K3 -t 950dt -o K3-950dt --max-disk 200GB
+      kimi-quant convert /models/Kimi-K3 -t a3 -o K3-a3 --calibrate --workers 16
+      kimi-quant convert /models/Kimi-K3 -t a3 -o K3-a3 --calibrate --executor ray --ray-address auto
+
+    Run `kimi-quant plan` with the same arguments first: it reads headers only and says the output size,
+    disk, memory and time.
+
     Re-running the same command after an interruption resumes: completed output shards are
     verified and kept, the rest is redone.
 

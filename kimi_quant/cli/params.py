@@ -106,9 +106,11 @@ def calibration_options(f):
                      help="With --calibrate: GPTQ dampening, a fraction of the mean Hessian diagonal added to it "
                           f"[default: {GPTQ_DEFAULTS['damp']}]."),
         click.option("--device", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True,
-                     help="With --calibrate: where GPTQ runs (cuda / npu where torch has them)."),
+                     help="With --calibrate: where GPTQ, the forward and the Hessians run (cuda / npu where "
+                          "torch has them; plan sizes a run there without needing one)."),
         click.option("--min-expert-tokens", type=click.IntRange(min=1), default=None, metavar="N",
-                     help=f"With --calibrate: a routed expert that saw fewer tokens keeps the data-free rule "
+                     help=f"With --calibrate: a routed expert that saw fewer tokens keeps the data-free rule, "
+                          f"or, if its weights are MXFP4 values made int4, gets GPTQ from every token "
                           f"[default: {DEFAULT_MIN_EXPERT_TOKENS}]; the run says how many did."),
         click.option("--expert-tokens", type=click.Choice(EXPERT_TOKENS), default=None,
                      help="With --calibrate: the tokens a routed expert's Hessian sees: those routed to it, or all "
@@ -120,8 +122,9 @@ def calibration_options(f):
 
 
 def calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
-                 expert_tokens=None):
-    """A CalibConfig for --calibrate (None without it; calibration options without it are refused)."""
+                 expert_tokens=None, need_device: bool = True):
+    """A CalibConfig for --calibrate (None without it; calibration options without it are refused).
+    ``need_device``: --device must be one torch sees here (convert runs on it; plan only describes a run)."""
     from ..calibrate import CalibConfig
 
     given = [n for n, v in (("--calibration-data", calibration), ("--tokens", calib_tokens),
@@ -134,7 +137,7 @@ def calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, 
         if given:
             raise KimiQuantError(f"{given[0]} applies only with --calibrate")
         return None
-    if device != "cpu":
+    if device != "cpu" and need_device:
         import torch
 
         available = {"cuda": torch.cuda.is_available(),

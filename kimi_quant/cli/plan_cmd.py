@@ -64,7 +64,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     if calibrate:
         require_torch("plan --calibrate (it measures this machine's GPTQ and forward rates)")
     cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
-                       expert_tokens)
+                       expert_tokens, need_device=False)
     check_staging_options(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not is_local_dir(source)
     src = open_named_source(source, revision, work_dir if hub else None)
@@ -142,6 +142,16 @@ def _expert_tokens(e: dict) -> str:
             "with balanced routing, the min lower; the run reports both; --expert-tokens all gives every expert all)")
 
 
+def _all_token_line(e: dict) -> list[str]:
+    """The all-token pass of under-routed MXFP4 experts (a3 from a packed source, per-channel int4)."""
+    if not e["all_token_experts"]:
+        return []
+    n = e["under_routed_share"] * e["all_token_experts"]
+    return [f"         MXFP4 experts under --min-expert-tokens are calibrated on every token: ~{n:.0f} of "
+            f"{e['all_token_experts']} with balanced routing (counted above); a skewed router sends more, at most "
+            f"+{fmt_duration(e['all_token_worst_s'])} if every one were"]
+
+
 def _calibrate_lines(e: dict, cal) -> list[str]:
     """plan --calibrate: the calibrated conversion's time and memory (calibrate/estimate.py)."""
     where = (f"{e['workers']} Ray workers" if e["executor"] == "ray" else
@@ -155,12 +165,22 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
             "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
             + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",
+            *_all_token_line(e),
             f"         memory ~{fmt_size(e['worker_memory_bytes'])} per worker (its largest GPTQ job, "
             f"[{e['worker_memory_tensor_shape'][0]}, {e['worker_memory_tensor_shape'][1]}]), "
             f"~{fmt_size(e['driver_memory_bytes'])} driver (state of {cal.tokens} tokens {fmt_size(d['state'])}, forward "
             f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])})"
             + (f", ~{fmt_size(e['memory_bytes'])} peak on this machine" if e["executor"] == "local" else "")
-            + "; shards are cut at layer boundaries"]
+            + "; shards are cut at layer boundaries"] + _device_lines(e)
+
+
+def _device_lines(e: dict) -> list[str]:
+    """With --device cuda|npu: the times above are CPU estimates; what the device holds."""
+    if e["device"] == "cpu":
+        return []
+    return [f"         --device {e['device']}: the forward, Hessians and GPTQ times above are CPU estimates (this "
+            f"machine's CPU rates; no {e['device']} rate is measured); on the device: "
+            f"~{fmt_size(e['device_memory_bytes'])} (the driver's weights, state, forward and Hessians)"]
 
 
 def packed_source_lines(p, calibrated: bool) -> list[str]:

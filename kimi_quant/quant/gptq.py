@@ -147,7 +147,8 @@ def for_mxfp4_weights(cfg: GPTQConfig) -> GPTQConfig:
     return replace(cfg, pow2_scales=True, clip_ratios=MXFP4_CLIP_RATIOS, hessian_shrink=MXFP4_HESSIAN_SHRINK)
 
 
-def _device(name: str):
+def torch_device(name: str):
+    """The torch device of a ``--device`` name (refused with one line where torch has no such device)."""
     import torch
 
     if name == "cuda":
@@ -286,7 +287,7 @@ def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQCo
     codec.require(w.shape, matmul)
     nm.check_finite(w)
     N, K = w.shape
-    dev = _device(cfg.device)
+    dev = torch_device(cfg.device)
     if cfg.hessian_shrink:
         hessian = shrunk(np.asarray(hessian), cfg.hessian_shrink)
     factor = hessian_factor(hessian, K, cfg.damp, cfg.act_order, dev)

@@ -42,7 +42,7 @@ HEAD_NAMES = ("model.norm.weight", "model.output_attn_res_norm.weight", "model.o
               "lm_head.weight")
 GLOBAL_NAMES = EMBED_NAMES + HEAD_NAMES
 #: routed-expert tensors (relative to the layer prefix): loaded lazily, one expert at a time
-_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.")
+ROUTED_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.")
 
 
 class LazyLayer(Mapping):
@@ -194,7 +194,7 @@ class WeightLoader:
             out = self._load(names, lp)
             self.release()
             return out
-        lazy = [n for n in names if _EXPERT.match(n, len(lp))]
+        lazy = [n for n in names if ROUTED_EXPERT.match(n, len(lp))]
         lazy_set = set(lazy)
         w, act = self._load([n for n in names if n not in lazy_set], lp)
         self.release()
