@@ -41,7 +41,7 @@ INT8_POW2 = A3Rule("default: W8A8_DYNAMIC, power-of-two row scales", "W8A8_DYNAM
                    "int8 on a power-of-two row scale holds the MXFP4 values exactly where a row's block exponents "
                    "span <= 5 (99.95% of rows); twice the bytes of int4")
 INT4_CALIBRATED = A3Rule("--calibrate: W4A8_DYNAMIC per channel by GPTQ, power-of-two scale candidates",
-                         "W4A8_DYNAMIC", 1.11, 1.20, True,
+                         "W4A8_DYNAMIC", 1.11, 1.19, True,
                          "GPTQ's error feedback in the int4 grid, each row's scale judged on the input-weighted "
                          "error among clip ratios (to 0.6) and the powers of two that hold whole 32-blocks, the "
                          "inputs' correlations shrunk toward their energies")

@@ -60,7 +60,7 @@ MXFP4_CLIP_RATIOS = CLIP_RATIOS + (0.7, 0.65, 0.6)
 
 
 #: weights on the MXFP4 grid: ``GPTQConfig.hessian_shrink`` (docs/quality.md)
-MXFP4_HESSIAN_SHRINK = 0.3
+MXFP4_HESSIAN_SHRINK = 0.15
 
 
 @dataclass(frozen=True)
