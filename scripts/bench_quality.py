@@ -315,7 +315,8 @@ PYDOC_CHARS = 6000  # the head of each page, so that a few windows already span 
 
 def pydoc_texts() -> list[str]:
     """English technical prose from outside the calibration text: the plain-text pydoc page of each of
-    PYDOC_MODULES (this Python's own), without its FILE section (an install path)."""
+    PYDOC_MODULES (this Python's own), without its FILE section (an install path) and with any memory
+    address in it written as 0x0."""
     import importlib
     import pydoc
     import re
@@ -323,7 +324,10 @@ def pydoc_texts() -> list[str]:
     docs = []
     for name in PYDOC_MODULES:
         page = pydoc.plaintext.document(importlib.import_module(name))
-        docs.append(re.sub(r"\nFILE\n[^\n]*\n", "\n", pydoc.plain(page))[:PYDOC_CHARS])
+        text = re.sub(r"\nFILE\n[^\n]*\n", "\n", pydoc.plain(page))
+        # default values' reprs hold memory addresses (sched's ``kwargs=<object object at 0x...>``): fixed, so
+        # the text is the same in every process
+        docs.append(re.sub(r" at 0x[0-9a-f]+>", " at 0x0>", text)[:PYDOC_CHARS])
     return docs
 
 
