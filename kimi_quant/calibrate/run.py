@@ -204,9 +204,7 @@ class _Quantizer:
                         w = source_f32(writer.reader, t)
                         release_source(writer.reader, t)
                     gptq = self.gptq
-                    if t.packed or on_mxfp4_grid(w):
-                        # decoded from MXFP4 (a packed source or its BF16 decoding: the same bytes either way): each
-                        # 32-block is E2M1 levels times a power of two, which a power-of-two row scale holds
+                    if holds_mxfp4_values(t, w):
                         gptq = for_mxfp4_weights(gptq)
                     yield GPTQJob(t.name, role[t.name], t.scheme, t.group_size, t.pow2_scale, t.matmul, w,
                                   hessian_of[t.name](), gptq)
@@ -450,8 +448,14 @@ def _mxfp4_expert(ts: list[TensorPlan], w_src, rel: dict[str, str]) -> bool:
     decoding: the same bytes either way) that the plan makes per-channel int4 (the rule that breaks them
     without data; per-group int4 and int8 keep their data-free rules)."""
     ts = [t for t in ts if t.scheme != FLOAT and not t.repack]
-    return bool(ts) and all(t.scheme == "W4A8_DYNAMIC" and not t.group_size and (t.packed or on_mxfp4_grid(w_src[rel[t.name]].numpy()))
-                            for t in ts)
+    return bool(ts) and all(t.scheme == "W4A8_DYNAMIC" and not t.group_size
+                            and holds_mxfp4_values(t, w_src[rel[t.name]].numpy()) for t in ts)
+
+
+def holds_mxfp4_values(t: TensorPlan, w) -> bool:
+    """Whether ``t``'s weight ``w`` (float32 numpy) is MXFP4 values: a packed source's, or its BF16 decoding (the
+    same bytes either way: each 32-block is E2M1 levels times a power of two)."""
+    return bool(t.packed) or on_mxfp4_grid(w)
 
 
 def _globals(tcfg, weights: SourceWeights, states: list, writer: UnitWriter, quant: _Quantizer, spec) -> None:
