@@ -145,6 +145,25 @@ def refused_calibrated_resume(source, out, made_with: tuple, resumed_with: tuple
     return line, shlex.split(line.split("the command that made it: ", 1)[1])
 
 
+def small_moe(R: int, I: int, E: int, T: int):
+    """A routed MoE layer for the forward's tests: (its config, its weights by relative name, two [1, T, R]
+    inputs); bf16-exact weights and inputs, 2 of E experts per token, seeded."""
+    from types import SimpleNamespace
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    cfg = SimpleNamespace(num_experts=E, num_experts_per_token=2, num_expert_group=1, topk_group=1,
+                          moe_renormalize=True, routed_scaling_factor=2.5, routed_expert_hidden_size=0,
+                          hidden_act="silu", num_shared_experts=0)
+    w = {"block_sparse_moe.gate.weight": torch.randn(E, R, generator=g),
+         "block_sparse_moe.gate.e_score_correction_bias": torch.zeros(E)}
+    for e in range(E):
+        for n, shape in (("w1", (I, R)), ("w3", (I, R)), ("w2", (R, I))):
+            w[f"block_sparse_moe.experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g).bfloat16().float() / 40
+    return cfg, w, [torch.randn(1, T, R, generator=g).bfloat16().float() for _ in range(2)]
+
+
 LOADABLE = ("quant_model_weights.safetensors.index.json", "quant_model_description.json")
 
 

@@ -23,7 +23,7 @@ from kimi_quant.runtime import forward as fw
 from kimi_quant.synth import synth
 from kimi_quant.verify import verify_output
 
-from conftest import snapshot
+from conftest import small_moe, snapshot
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,19 +187,7 @@ def test_the_device_bench_says_there_is_no_device_and_exits_0():
 def test_moe_forward_and_hessians_on_cuda_are_close_to_the_cpu():
     """The MoE forward and its Hessians on CUDA against the CPU: close (other kernels and summation orders,
     TF32 off), not bit-equal."""
-    from types import SimpleNamespace
-
-    g = torch.Generator().manual_seed(0)
-    R, I, E, T = 512, 256, 4, 256
-    cfg = SimpleNamespace(num_experts=E, num_experts_per_token=2, num_expert_group=1, topk_group=1,
-                          moe_renormalize=True, routed_scaling_factor=2.5, routed_expert_hidden_size=0,
-                          hidden_act="silu", num_shared_experts=0)
-    w = {"block_sparse_moe.gate.weight": torch.randn(E, R, generator=g),
-         "block_sparse_moe.gate.e_score_correction_bias": torch.zeros(E)}
-    for e in range(E):
-        for n, shape in (("w1", (I, R)), ("w3", (I, R)), ("w2", (R, I))):
-            w[f"block_sparse_moe.experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g).bfloat16().float() / 40
-    xs = [torch.randn(1, T, R, generator=g).bfloat16().float() for _ in range(2)]
+    cfg, w, xs = small_moe(512, 256, 4, 256)
     names = [k for k in w if ".experts." in k]
     got = {}
     tf32 = torch.backends.cuda.matmul.allow_tf32

@@ -23,7 +23,7 @@ from kimi_quant.quant.gptq import GPTQConfig
 from kimi_quant.synth import synth
 from kimi_quant.verify import verify_output
 
-from conftest import snapshot
+from conftest import small_moe, snapshot
 
 torch.set_num_threads(1)
 TOKENS = 1024  # 2 windows of 512: most tiny experts see >= 32 tokens; a run takes seconds
@@ -81,22 +81,10 @@ def test_forward_threads_are_the_cores_the_run_was_given():
 def test_the_forwards_products_do_not_depend_on_the_thread_count():
     """What byte-identical output for any --workers rests on, at a routed expert's real width (3584) and widths
     torch splits over threads: the MoE forward's outputs and every Hessian, bit for bit, on 1 and 2 threads."""
-    from types import SimpleNamespace
-
     from kimi_quant.calibrate.hessian import HessianCollector
     from kimi_quant.runtime import forward as fw
 
-    g = torch.Generator().manual_seed(0)
-    R, I, E, T = 3584, 512, 3, 384
-    cfg = SimpleNamespace(num_experts=E, num_experts_per_token=2, num_expert_group=1, topk_group=1,
-                          moe_renormalize=True, routed_scaling_factor=2.5, routed_expert_hidden_size=0,
-                          hidden_act="silu", num_shared_experts=0)
-    w = {"block_sparse_moe.gate.weight": torch.randn(E, R, generator=g),
-         "block_sparse_moe.gate.e_score_correction_bias": torch.zeros(E)}
-    for e in range(E):
-        for n, shape in (("w1", (I, R)), ("w3", (I, R)), ("w2", (R, I))):
-            w[f"block_sparse_moe.experts.{e}.{n}.weight"] = torch.randn(*shape, generator=g).bfloat16().float() / 40
-    xs = [torch.randn(1, T, R, generator=g).bfloat16().float() for _ in range(2)]
+    cfg, w, xs = small_moe(3584, 512, 3, 384)
     got = {}
     threads = torch.get_num_threads()
     try:
