@@ -121,6 +121,7 @@ def phase_table(torch, kernels):
         (J, "choose", "judge: choice"), (J, "_pivoted_cholesky", "screen/bound: pivoted Cholesky"),
         (J, "fast_unless_beaten", "guard: lower bound"),
         (kernels, "plain_errors", "clip: screen scores"), (gptq_clip, "clip_before", "clip: other"),
+        (gptq_clip, "clip_ranked", "clip: other"), (gptq, "shrunk", "shrink H"),
         (kernels, "gptq_block", "GPTQ: block kernel"), (kernels, "gather_transposed", "GPTQ: transposes"),
         (kernels, "scatter_transposed", "GPTQ: transposes"), (gptq, "gptq_run", "GPTQ: updates between blocks"),
         ("codec", "fast_data_free_codes", "guard: data-free codes"), ("codec", "gptq_grids", "candidate grids"),

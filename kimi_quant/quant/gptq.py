@@ -30,7 +30,7 @@ with a stable sort; choices between candidates are float64 argmins, see ``gptq_j
 Cost, for a routed expert's [3072, 3584]: the factor (a float64 Cholesky and a float32 triangular
 inverse by matrix products), GPTQ's lazy-batch products (~N K^2 multiply-adds) and a few float32
 [N, K] x [K, K] products to judge candidates; the clip ratios (and power-of-two scales) are screened on
-an O(N K m) estimate first (``gptq_clip.clip_before``), a GPTQ result's error comes out of GPTQ itself, and the
+an O(N K m) estimate first (``gptq_clip.clip_ranked``), a GPTQ result's error comes out of GPTQ itself, and the
 guard's data-free codes are judged only on the rows where an O(N K m) lower bound of their error does not
 already lose (``Judge.fast_unless_beaten``).  scripts/bench_gptq.py
 measures it against one same-thread matmul.  Memory beyond the Hessian given: one K x K working matrix
@@ -82,7 +82,7 @@ class GPTQConfig:
                 little on H when their inputs are quiet, and the finer step helps every other weight.
                 () or (1.0,): the codec's scale only.
     clip_finalists: clip ratios judged exactly per row (beside the codec's scale) after a cheap screen
-                of all of them (``clip_before``); with no more ratios than this, every one is judged.
+                of all of them (``clip_ranked``); with no more ratios than this, every one is judged.
     clip_after: judge the ratios after GPTQ (every ratio runs GPTQ: len(clip_ratios) x the cost)
                 instead of on plain rounding before it (one GPTQ run, the default).
     pow2_scales: int4 per-channel grids only: also offer, per row, the two powers of two bracketing the

@@ -1,7 +1,7 @@
 """GPTQ's candidate grids beyond the codec's own, each judged per row on H before GPTQ runs.
 
 int4 per channel: the codec's scale times clip ratios, and the two powers of two bracketing it
-(``clip_before`` screens them cheaply and judges the finalists); MX: each block's exponent chosen by
+(``clip_ranked`` screens them cheaply and judges the finalists); MX: each block's exponent chosen by
 its input-weighted error (``mx_grid_on_h``).  Grids are combined row by row (``pick_rows``).
 """
 
