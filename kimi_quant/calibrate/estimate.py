@@ -104,17 +104,21 @@ def _overheads() -> tuple[float, float]:
 
 
 #: the job kind of an int4 per-channel tensor whose source is packed MXFP4: ``convert --calibrate`` runs
-#: ``gptq.for_mxfp4_weights``'s settings on it (more candidate scales, GPTQ on two of them per row)
+#: ``gptq.for_mxfp4_weights``'s settings on it (more candidate scales, H shrunk toward its diagonal)
 MXFP4_KIND = " from MXFP4"
+
+
+def _packed_to_int4(tp) -> bool:
+    """Whether a planned tensor is a packed MXFP4 source requantized to int4 per channel (the calibrated run
+    gives it the MXFP4 settings, and an all-token pass when its expert is under-routed)."""
+    return bool(tp.packed) and not tp.repack and tp.scheme == "W4A8_DYNAMIC" and not tp.group_size
 
 
 def job_kind(tp) -> str:
     """The GPTQ rate a planned tensor is costed at: its scheme, with MXFP4_KIND where its source is packed MXFP4
     requantized to int4 per channel (a BF16 decoding of such a release is not known before its values are
     read: costed at the float rate)."""
-    if tp.packed and not tp.repack and tp.scheme == "W4A8_DYNAMIC" and not tp.group_size:
-        return tp.scheme + MXFP4_KIND
-    return tp.scheme
+    return tp.scheme + MXFP4_KIND if _packed_to_int4(tp) else tp.scheme
 
 
 def _gptq_seconds(kind: str, matmul: str | None, n: int, k: int) -> float:
@@ -262,7 +266,7 @@ def _all_token_flops(linears: list, T: int, every: bool) -> tuple[float, float, 
     fwd = hess = 0.0
     keys, experts = set(), set()
     for tp, N, K, layer, stage, expert, shares in linears:
-        if stage != EXPERTS or not tp.packed or tp.scheme != "W4A8_DYNAMIC" or tp.group_size or tp.repack:
+        if stage != EXPERTS or not _packed_to_int4(tp):
             continue
         experts.add((layer, expert))
         fwd += 2 * N * K * T
