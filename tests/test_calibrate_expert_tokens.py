@@ -14,6 +14,8 @@ import torch
 
 from kimi_quant.calibrate import CalibConfig
 from kimi_quant.calibrate.hessian import HessianCollector
+from kimi_quant.calibrate.jobs import ExpertJob, run_expert_job
+from kimi_quant.calibrate.routed import Routing
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.layout.ascend_v1 import PROVENANCE
 from kimi_quant.runtime import forward as fw
@@ -46,37 +48,52 @@ def _moe(E=4, k=1, R=16, I=8):
     return cfg, w, xs
 
 
-def _observed(cfg, w, xs, every=()):
+def _observed(cfg, w, xs):
+    """The routed forward observed by the driver's collector, and the routing it hands back."""
     coll = HessianCollector()
     names = [n for n in w if ".experts." in n]
     coll.want(names)
+    batches = []
     with fw.observe_linear_inputs(coll):
-        ys = fw.moe_many(cfg, w, xs, observe_every_token=every)
-    return ys, coll, names
+        ys = fw.moe_many(cfg, w, xs, routing=batches)
+    return ys, coll, Routing(batches)
 
 
-def test_every_token_reaches_the_observed_experts_and_the_output_still_follows_the_router():
+def _hessians(cfg, w, routing, e, every):
+    W1, W3 = (w[f"block_sparse_moe.experts.{e}.{n}.weight"].numpy() for n in ("w1", "w3"))
+    return ExpertJob("e", (), routing.rows(e, every), W1, W3, cfg).hessians()
+
+
+def test_an_expert_job_forms_the_collectors_hessians_from_its_routed_rows_bit_for_bit():
     cfg, w, xs = _moe()
-    routed_ys, routed, names = _observed(cfg, w, xs)
-    all_ys, every, _ = _observed(cfg, w, xs, every=range(cfg.num_experts))
-    assert all(torch.equal(a, b) for a, b in zip(routed_ys, all_ys))  # same output, bit for bit
+    ys, coll, routing = _observed(cfg, w, xs)
+    plain = fw.moe_many(cfg, w, xs)
+    assert all(torch.equal(a, b) for a, b in zip(ys, plain))  # handing back the routing changes nothing
     T = sum(x.shape[0] * x.shape[1] for x in xs)
-    assert all(every.tokens(n) == T for n in names)
-    assert routed.tokens("block_sparse_moe.experts.3.w1.weight") == 0  # never routed: no statistics
-    assert sum(routed.tokens(f"block_sparse_moe.experts.{e}.w1.weight") for e in range(4)) == T  # top-1
+    counts = routing.tokens_per_expert(cfg.num_experts)
+    assert routing.tokens == T and sum(counts) == T and counts[3] == 0  # top-1; expert 3 is never routed to
+    for e in range(3):
+        assert counts[e] == coll.tokens(f"block_sparse_moe.experts.{e}.w1.weight") > 0
+        h_in, h_mid = _hessians(cfg, w, routing, e, every=False)
+        assert np.array_equal(h_in, coll.hessian(f"block_sparse_moe.experts.{e}.w1.weight"))
+        assert np.array_equal(h_mid, coll.hessian(f"block_sparse_moe.experts.{e}.w2.weight"))
+    assert routing.rows(3, every_token=False) == ()  # and its job would be refused: nothing reaches it
+    with pytest.raises(ValueError, match="no token rows"):
+        run_expert_job(ExpertJob("e3", (), (), np.zeros((8, 16), np.float32), np.zeros((8, 16), np.float32), cfg))
+
+
+def test_every_token_rows_give_the_hessians_of_the_whole_input():
+    cfg, w, xs = _moe()
+    _, _, routing = _observed(cfg, w, xs)
+    T = sum(x.shape[0] * x.shape[1] for x in xs)
     z = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])  # w1's input: every token (no latent projection)
     want = (z.double().t() @ z.double() / T).numpy()
-    for e in range(cfg.num_experts):
-        np.testing.assert_allclose(every.hessian(f"block_sparse_moe.experts.{e}.w1.weight"), want, rtol=1e-5, atol=1e-6)
+    for e in range(cfg.num_experts):  # the never-routed expert too
+        h_in, h_mid = _hessians(cfg, w, routing, e, every=True)
+        np.testing.assert_allclose(h_in, want, rtol=1e-5, atol=1e-6)
         W1, W3 = (w[f"block_sparse_moe.experts.{e}.{n}.weight"] for n in ("w1", "w3"))
         he = torch.nn.functional.silu(z @ W1.t()) * (z @ W3.t())
-        np.testing.assert_allclose(every.hessian(f"block_sparse_moe.experts.{e}.w2.weight"),
-                                   (he.double().t() @ he.double() / T).numpy(), rtol=1e-5, atol=1e-6)
-    # only the experts named see every token; the others keep their routed tokens
-    some_ys, some, _ = _observed(cfg, w, xs, every=[0])
-    assert all(torch.equal(a, b) for a, b in zip(routed_ys, some_ys))
-    assert some.tokens("block_sparse_moe.experts.0.w2.weight") == T
-    assert some.tokens("block_sparse_moe.experts.1.w2.weight") == routed.tokens("block_sparse_moe.experts.1.w2.weight")
+        np.testing.assert_allclose(h_mid, (he.double().t() @ he.double() / T).numpy(), rtol=1e-5, atol=1e-6)
 
 
 def _convert(source, out, expert_tokens):

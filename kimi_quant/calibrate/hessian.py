@@ -60,10 +60,7 @@ class HessianCollector:
             raise RuntimeError(f"{name}: inputs observed after its Hessian was handed out")
         if self._last is not None and self._last[0] == key:
             self._last = None  # the float64 hand-out was a copy: the next one sees the new inputs
-        if self._sum[key].dtype == torch.float64:
-            self._sum[key] += (xf.t() @ xf).to(torch.float64)
-        else:
-            self._sum[key].addmm_(xf.t(), xf)
+        add_gram(self._sum[key], xf)
         self._n[key] += xf.shape[0]
         self._recent = (self._recent + [(x, key)])[-self.RECENT:]
 
@@ -104,6 +101,35 @@ class HessianCollector:
     @property
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._sum.values())
+
+
+def add_gram(acc: torch.Tensor, xf: torch.Tensor) -> None:
+    """``acc += xf^T xf`` for token rows ``xf`` [n, K] (float32): the product in float32, added to a float64
+    ``acc`` (a float32 ``acc``, above FLOAT64_MAX_K: accumulated in place)."""
+    if acc.dtype == torch.float64:
+        acc += (xf.t() @ xf).to(torch.float64)
+    else:
+        acc.addmm_(xf.t(), xf)
+
+
+def hessian_of_rows(batches: Iterable[torch.Tensor]) -> np.ndarray | None:
+    """``(1/n) sum x x^T`` over the rows of ``batches`` ([n_b, K] each, summed in order, empty ones skipped),
+    exactly as ``HessianCollector`` forms it from the same inputs observed one batch at a time (float64 up to
+    FLOAT64_MAX_K); None when there is no row. Where a routed expert's GPTQ job runs, it forms its Hessians
+    from its token rows with this (``jobs.ExpertJob``)."""
+    acc, n = None, 0
+    for x in batches:
+        xf = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        if xf.shape[0] == 0:
+            continue
+        if acc is None:
+            K = xf.shape[1]
+            acc = torch.zeros(K, K, dtype=torch.float64 if K <= FLOAT64_MAX_K else torch.float32)
+        add_gram(acc, xf)
+        n += xf.shape[0]
+    if acc is None:
+        return None
+    return (acc / n).numpy() if acc.dtype == torch.float64 else acc.div_(n).numpy()
 
 
 def hessian_bytes(K: int) -> int:

@@ -6,10 +6,15 @@ settings) and ``run_gptq_job`` is a pure function of it, run on one thread where
 not depend on the runner or on how many workers it has. Linears fed the same input (q/k/v, an expert's
 w1/w3) hold the same Hessian object; a runner sends it once where it can (Ray) and the driver keeps one copy.
 
-Every runner has ``run(jobs) -> iterator of results``, results in the order of the jobs, taking jobs from
-the iterable only as workers need them (a window of about two per worker), so the driver holds the weights
-and Hessians of that window, not of the whole layer. Consecutive jobs that share a Hessian go to one worker
-together (``shared_hessian_groups``): it factors that Hessian once for all of them, as one process would.
+A routed expert is one ``ExpertJob``: its Linears' GPTQ problems with the token rows the router sends it instead
+of Hessians; the worker forms the Hessians (and w2's input, the expert's forward) itself, so that share of the
+forward runs on the workers, in parallel, and the driver never holds an expert's Hessian.
+
+Every runner has ``run(jobs) -> iterator of results``, one result per Linear, in the order of the jobs, taking
+jobs from the iterable only as workers need them (a window of about two per worker), so the driver holds the
+weights and Hessians (or rows) of that window, not of the whole layer. Consecutive jobs that share a Hessian go
+to one worker together (``shared_hessian_groups``): it factors that Hessian once for all of them, as one process
+would.
 """
 
 from __future__ import annotations
@@ -73,16 +78,80 @@ def run_gptq_job(job: GPTQJob) -> dict[str, np.ndarray]:
         torch.set_num_threads(threads)
 
 
-def run_gptq_jobs(jobs: list[GPTQJob]) -> list[dict[str, np.ndarray]]:
-    """``run_gptq_job`` of each, in order: jobs sharing a Hessian reuse its factor (``gptq`` keeps the last)."""
-    return [run_gptq_job(job) for job in jobs]
+@dataclass(frozen=True)
+class ExpertJob:
+    """A routed expert's GPTQ problems, given the token rows that reach it instead of its Hessians.
+
+    Where it runs, the Hessian of w1 / w3 is formed from ``rows`` and that of w2 from the expert's BF16 forward on
+    them, ``glu(rows W1^T, rows W3^T)``: the same arithmetic as the driver's collector on the same inputs
+    (``hessian.hessian_of_rows``), so the bytes do not depend on where it runs. ``jobs``: a GPTQJob per calibrated
+    Linear of the expert, in plan order, ``hessian`` unset (``matmul`` tells gate / up from down); ``rows``: per
+    calibration batch the expert's input rows, float32 [n_b, R] (the tokens routed to it, or every token);
+    ``w1``, ``w3``: float32, for w2's input; ``text``: the model's TextConfig (its GLU)."""
+
+    name: str
+    jobs: tuple[GPTQJob, ...]
+    rows: tuple[np.ndarray, ...]
+    w1: np.ndarray
+    w3: np.ndarray
+    text: object
+
+    def hessians(self, gate_up: bool = True, down: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(H of w1 / w3, H of w2) from the rows (each only if asked for); None without rows."""
+        import torch
+
+        from ..runtime.forward import glu
+        from .hessian import hessian_of_rows
+
+        rows = [torch.from_numpy(r) for r in self.rows]
+        h_in = hessian_of_rows(rows) if gate_up else None
+        h_mid = None
+        if down:
+            W1, W3 = torch.from_numpy(self.w1), torch.from_numpy(self.w3)
+            h_mid = hessian_of_rows(glu(self.text, x @ W1.t(), x @ W3.t()) for x in rows)
+        return h_in, h_mid
 
 
-def shared_hessian_groups(jobs: Iterable[GPTQJob]) -> Iterator[list[GPTQJob]]:
-    """``jobs`` in runs of consecutive jobs holding the same Hessian object (q/k/v, an expert's w1/w3)."""
-    group: list[GPTQJob] = []
+def run_expert_job(job: ExpertJob) -> list[dict[str, np.ndarray]]:
+    """The codecs' tensors of each of ``job.jobs``, in order, after forming their Hessians (all on one thread)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if not any(len(r) for r in job.rows):
+            raise ValueError("no token rows reach it")
+        down = [j.matmul == "down" for j in job.jobs]
+        h_in, h_mid = job.hessians(gate_up=not all(down), down=any(down))
+        return [run_gptq_job(replace(j, hessian=h_mid if d else h_in)) for j, d in zip(job.jobs, down)]
+    finally:
+        torch.set_num_threads(threads)
+
+
+Job = GPTQJob | ExpertJob
+
+
+def run_gptq_jobs(jobs: list[Job]) -> list[dict[str, np.ndarray]]:
+    """The results of each job, in order (one per Linear): jobs sharing a Hessian reuse its factor (``gptq`` keeps
+    the last)."""
+    out = []
     for job in jobs:
-        if group and job.hessian is not group[-1].hessian:
+        out += run_expert_job(job) if isinstance(job, ExpertJob) else [run_gptq_job(job)]
+    return out
+
+
+def results_of(job: Job) -> int:
+    """How many results ``job`` gives (one per Linear)."""
+    return len(job.jobs) if isinstance(job, ExpertJob) else 1
+
+
+def shared_hessian_groups(jobs: Iterable[Job]) -> Iterator[list[Job]]:
+    """``jobs`` in runs of consecutive jobs holding the same Hessian object (q/k/v, a dense MLP's gate/up); an
+    ExpertJob is a run of its own."""
+    group: list[Job] = []
+    for job in jobs:
+        if group and (isinstance(job, ExpertJob) or isinstance(group[-1], ExpertJob)
+                      or job.hessian is not group[-1].hessian):
             yield group
             group = []
         group.append(job)
@@ -95,7 +164,7 @@ class SubmitWindow:
     """The groups of ``jobs`` (``shared_hessian_groups``) handed to ``submit`` in job order, at most ``size``
     outstanding: ``pending`` holds ``[group, handle]`` entries, the oldest first; ``fill`` tops it up."""
 
-    def __init__(self, jobs: Iterable[GPTQJob], submit, size: int):
+    def __init__(self, jobs: Iterable[Job], submit, size: int):
         self._groups = shared_hessian_groups(jobs)
         self._submit = submit
         self._size = size
@@ -130,7 +199,7 @@ def _warm_up() -> None:
     from ..quant import gptq_kernels  # noqa: F401
 
 
-def _named(group: list[GPTQJob]) -> GPTQJob:
+def _named(group: list[Job]) -> Job:
     """A stand-in job whose name lists every tensor of ``group`` (for a failure of the group as a whole)."""
     return group[0] if len(group) == 1 else replace(group[0], name=" / ".join(j.name for j in group))
 
@@ -140,13 +209,13 @@ class SerialRunner:
 
     workers = 1
 
-    def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
+    def run(self, jobs: Iterable[Job]) -> Iterator[dict[str, np.ndarray]]:
         for job in jobs:
             try:
-                out = run_gptq_job(job)
+                outs = run_gptq_jobs([job])
             except Exception as e:  # noqa: BLE001 - one line naming the tensor
                 raise job_failure(job, e) from e
-            yield out
+            yield from outs
 
     def close(self, abort: bool = False) -> None:
         pass
@@ -185,7 +254,7 @@ class ProcessRunner(SerialRunner):
         threading.Thread(target=self._open, name="kimi-quant-gptq-workers", daemon=True).start()
         return self
 
-    def _submit(self, group: list[GPTQJob]) -> Future:
+    def _submit(self, group: list[Job]) -> Future:
         try:
             return self._open().submit(run_gptq_jobs, group)
         except BrokenProcessPool as e:  # a worker died before this job was handed out
@@ -206,7 +275,7 @@ class ProcessRunner(SerialRunner):
         for entry in lost:
             entry[1] = self._submit(entry[0])
 
-    def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
+    def run(self, jobs: Iterable[Job]) -> Iterator[dict[str, np.ndarray]]:
         window = SubmitWindow(jobs, self._submit, JOBS_PER_WORKER * self.workers)
         pending = window.pending  # [group, future]
         window.fill()

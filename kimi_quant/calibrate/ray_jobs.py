@@ -1,8 +1,8 @@
-"""GPTQ jobs (``jobs.GPTQJob``) as Ray tasks: ``convert --calibrate --executor ray``.
+"""GPTQ jobs (``jobs.GPTQJob``, ``jobs.ExpertJob``) as Ray tasks: ``convert --calibrate --executor ray``.
 
-Unlike the data-free path's tasks, these carry their data: the weight and the Hessian go through Ray's
-object store (Linears sharing a Hessian are one task: it is sent and factored once), so workers need no
-shared filesystem.
+Unlike the data-free path's tasks, these carry their data: the weight and the Hessian (a routed expert: its
+weights and token rows) go through Ray's object store (Linears sharing a Hessian are one task: it is sent and
+factored once), so workers need no shared filesystem.
 A task whose worker or node dies is retried by Ray (``MAX_RETRIES``); a task that raises is deterministic
 and stops the run with one line naming the tensor.
 """
@@ -18,20 +18,24 @@ import numpy as np
 from .. import __version__
 from ..errors import KimiQuantError
 from ..executor.ray_executor import MAX_RETRIES, SYSTEM_ERRORS, connect, one_line
-from .jobs import JOBS_PER_WORKER, GPTQJob, SubmitWindow, job_failure, run_gptq_jobs
+from .jobs import JOBS_PER_WORKER, ExpertJob, Job, SubmitWindow, job_failure, run_gptq_jobs
 
 import ray  # noqa: E402 - after ray_executor, which turns a missing Ray into one line
 
 
 @ray.remote(num_cpus=1, max_retries=MAX_RETRIES)
-def _gptq_task(jobs: list[GPTQJob], weights: list[np.ndarray], hessian: np.ndarray, version: str) -> list[dict]:
+def _gptq_task(jobs: list[Job], weights: list[np.ndarray], hessian: np.ndarray | None, version: str) -> list[dict]:
+    """Jobs sharing ``hessian`` (their arrays sent beside them), or one ExpertJob (``weights`` empty: it carries
+    its own rows and weights)."""
     import kimi_quant
 
     if kimi_quant.__version__ != version:
         raise KimiQuantError(f"a Ray node runs kimi-quant {kimi_quant.__version__} but the driver runs {version}; "
                              "install the same version on every node")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return run_gptq_jobs([replace(job, weight=w, hessian=hessian) for job, w in zip(jobs, weights)])
+    if weights:
+        jobs = [replace(job, weight=w, hessian=hessian) for job, w in zip(jobs, weights)]
+    return run_gptq_jobs(jobs)
 
 
 class RayRunner:
@@ -43,8 +47,10 @@ class RayRunner:
         cpus = int(ray.cluster_resources().get("CPU", 0))
         self.workers = max(1, int(workers) if workers else cpus)
 
-    def run(self, jobs: Iterable[GPTQJob]) -> Iterator[dict[str, np.ndarray]]:
-        def submit(group: list[GPTQJob]):  # the arrays travel as their own objects, the Hessian once
+    def run(self, jobs: Iterable[Job]) -> Iterator[dict[str, np.ndarray]]:
+        def submit(group: list[Job]):  # the arrays travel as their own objects, the Hessian once
+            if isinstance(group[0], ExpertJob):
+                return _gptq_task.remote(group, [], None, __version__)
             bare = [replace(j, weight=np.empty(0, np.float32), hessian=np.empty(0, np.float64)) for j in group]
             return _gptq_task.remote(bare, [j.weight for j in group], group[0].hessian, __version__)
 

@@ -34,6 +34,7 @@ so the bytes do not depend on the runner or its number of workers).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -62,6 +63,7 @@ from .device import DeviceWeights, full_float32, states_to, synchronize, torch_d
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
 from .phases import Phases
+from .routed import RoutedExpert, Routing
 from .state import STATE_FILE, load_state, save_state, state_binding
 from .layer_io import Overlay, Readback, SourceWeights, UnitWriter, dequantized
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
@@ -181,33 +183,40 @@ class _Quantizer:
             out["expert_tokens_median"] = int(statistics.median_low(self.expert_tokens))
         return out
 
-    def write(self, writer: UnitWriter, ts: list[TensorPlan], hessian_of: dict, role: dict[str, str]) -> dict:
-        """Write ``ts`` in plan order; ``hessian_of[name]``: a callable giving its Hessian (absent: the data-free
+    def write(self, writer: UnitWriter, ts: list[TensorPlan], hessian_of: dict, role: dict[str, str],
+              experts: dict[str, RoutedExpert] | None = None) -> dict:
+        """Write ``ts`` in plan order; ``hessian_of[name]``: a callable giving its Hessian, or ``experts[name]``: the
+        routed expert it belongs to, which forms its Hessians where its job runs (absent from both: the data-free
         rule); ``role[name]``: attention, mlp, expert or head. Returns name -> its outputs (None for FLOAT)."""
         from ..executor.unit import release_source, source_f32
 
+        experts = experts or {}
         calibrated = set()
         for t in ts:
             if t.scheme == FLOAT:
                 continue
-            if hessian_of.get(t.name) is None:
+            if hessian_of.get(t.name) is None and t.name not in experts:
                 self.stats["data_free_tensors"] += 1
                 continue
             self.stats["gptq_tensors"] += 1
             if not t.repack:  # the source's own MXFP4 codes are written as they are
                 calibrated.add(t.name)
 
+        def job(t: TensorPlan) -> GPTQJob:
+            with self.phases("read"):
+                w = source_f32(writer.reader, t)
+                release_source(writer.reader, t)
+            gptq = for_mxfp4_weights(self.gptq) if holds_mxfp4_values(t, w) else self.gptq
+            h = hessian_of[t.name]() if t.name not in experts else None
+            return GPTQJob(t.name, role[t.name], t.scheme, t.group_size, t.pow2_scale, t.matmul, w, h, gptq)
+
         def jobs():  # read as the runner takes them: only its window of weights is held at once
-            for t in ts:
-                if t.name in calibrated:
-                    with self.phases("read"):
-                        w = source_f32(writer.reader, t)
-                        release_source(writer.reader, t)
-                    gptq = self.gptq
-                    if holds_mxfp4_values(t, w):
-                        gptq = for_mxfp4_weights(gptq)
-                    yield GPTQJob(t.name, role[t.name], t.scheme, t.group_size, t.pow2_scale, t.matmul, w,
-                                  hessian_of[t.name](), gptq)
+            todo = [t for t in ts if t.name in calibrated]
+            for key, group in itertools.groupby(todo, key=lambda t: experts.get(t.name)):
+                if key is None:
+                    yield from (job(t) for t in group)
+                else:
+                    yield key.job(writer.reader, [job(t) for t in group], self.phases)
 
         results = self.runner.run(jobs())
         outs = {}
@@ -234,10 +243,6 @@ class _Quantizer:
 
 
 # -- the driver --------------------------------------------------------------------------------------------
-def _chunks(items: list, n: int) -> list[list]:
-    return [items[k:k + n] for k in range(0, len(items), max(1, n))] or [[]]
-
-
 @torch.inference_mode()
 def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Path, journal, opts, t0: float):
     from ..progress import NoBar, progress_bar
@@ -354,82 +359,46 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     by_stage = {s: [t for t in tensors if stage[t.name][0] == s] for s in (ATTENTION, MLP, EXPERTS)}
     quantized = lambda ts: [rel[t.name] for t in ts if t.scheme != FLOAT]  # noqa: E731
     propagate = cfg.propagate == "quantized"
-    all_tokens = cfg.expert_tokens == "all"
     act = {rel[t.name]: REGISTRY[t.scheme].activation for t in tensors if t.scheme != FLOAT and propagate}
     coll = HessianCollector()
     observer = quant.phases.observer(coll)
     deq: dict[str, torch.Tensor] = {}
 
-    def emit(ts: list[TensorPlan], min_tokens: dict[str, int]) -> None:
-        """GPTQ every Linear of ``ts`` that saw enough tokens (all at once, on the runner), write them all."""
+    def emit(ts: list[TensorPlan], experts: dict[str, RoutedExpert] | None = None) -> None:
+        """GPTQ every Linear of ``ts`` that saw a token, and the routed experts given (all at once, on the
+        runner); write them all."""
         def hessian(name: str):
             return lambda: coll.hessian(name)
 
-        given = {t.name: hessian(rel[t.name]) for t in ts if t.scheme != FLOAT and coll.tokens(rel[t.name]) > 0
-                 and coll.tokens(rel[t.name]) >= min_tokens.get(t.name, 0)}
-        outs = quant.write(writer, ts, given, {t.name: ROLES[stage[t.name][0]] for t in ts})
+        given = {t.name: hessian(rel[t.name]) for t in ts if t.scheme != FLOAT and coll.tokens(rel[t.name]) > 0}
+        outs = quant.write(writer, ts, given, {t.name: ROLES[stage[t.name][0]] for t in ts}, experts)
         for t in ts:
             if outs[t.name] is not None and propagate and stage[t.name][0] != EXPERTS:
                 deq[rel[t.name]] = dequantized(t, outs[t.name])
         coll.drop(rel[t.name] for t in ts)
 
-    def count_experts(batch: list[int]) -> tuple[dict[str, int], list[int]]:
-        """The run's counts of routed experts that saw too few tokens; the token floor of their tensors, and
-        those of them whose weights are MXFP4 values (they are calibrated on every token instead)."""
-        floor, on_all = {}, []
-        for e in batch:
-            names = quantized(expert_tensors[e])
-            if names:
-                n = max(coll.tokens(x) for x in names)
-                quant.stats["routed_experts"] += 1
-                if n == 0:
-                    quant.stats["never_routed_experts"] += 1
-                elif n < cfg.min_expert_tokens:
-                    quant.stats["fallback_experts"] += 1
-                if n < cfg.min_expert_tokens and _mxfp4_expert(expert_tensors[e], w_src, rel):
-                    on_all.append(e)  # its Hessian's tokens are counted once observed on all of them
-                else:
-                    quant.expert_tokens.append(n)
-            floor.update((t.name, cfg.min_expert_tokens) for t in expert_tensors[e])
-        return floor, on_all
-
     # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
     coll.want(quantized(by_stage[ATTENTION]))
     with quant.forward(), fw.observe_linear_inputs(observer):
         parts = fw.layers_attention(tcfg, i, w, states)
-    emit(by_stage[ATTENTION], {})
+    emit(by_stage[ATTENTION])
     if propagate and deq:
         with quant.forward():
             parts = fw.layers_attention(tcfg, i, DeviceWeights(Overlay(w, deq), quant.device), states, act)
-    # 2. the MLP: non-routed Linears and the first batch of experts in one full pass (and one set of GPTQ
-    # jobs), then the other batches of experts
-    experts = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
-    batches = _chunks(experts, cfg.expert_batch)
-    expert_tensors = {e: [t for t in by_stage[EXPERTS] if stage[t.name][1] == e] for e in experts}
+    # 2. the MLP: its non-routed Linears from one pass, which also gives the routed experts' input and the
+    # router's choice; each routed expert is a job of its own that forms its Hessians from its rows
     coll.want(quantized(by_stage[MLP]))
-    coll.want(n for e in batches[0] for n in quantized(expert_tensors[e]))
+    batches: list = []
     with quant.forward(), fw.observe_linear_inputs(observer):
-        out_bf16 = fw.layers_mlp(tcfg, i, w, parts, observe_every_token=batches[0] if all_tokens else ())
-    h2ns = [h2n for _, _, h2n in parts]
-    for j, batch in enumerate(batches):
-        if j:
-            coll.want(n for e in batch for n in quantized(expert_tensors[e]))
-            with quant.forward(), fw.observe_linear_inputs(observer):
-                fw.moe_many(tcfg, w, h2ns, experts=set(batch), observe_every_token=batch if all_tokens else ())
-        floor, on_all = count_experts(batch)
-        if on_all:
-            # the data-free int4 rule cannot hold MXFP4 values and the plan fixed int4 for the whole fused MoE
-            # layer: such an expert gets GPTQ from its inputs on every token, as if the router had chosen it
-            names = [n for e in on_all for n in quantized(expert_tensors[e])]
-            coll.drop(names)
-            coll.want(names)
-            with quant.forward(), fw.observe_linear_inputs(observer):
-                fw.moe_many(tcfg, w, h2ns, experts=set(on_all), observe_every_token=on_all)
-            floor.update((t.name, 0) for e in on_all for t in expert_tensors[e])
-            quant.stats["all_token_experts"] += len(on_all)
-            quant.expert_tokens += [max(coll.tokens(n) for n in quantized(expert_tensors[e])) for e in on_all]
-        ts = [t for e in batch for t in expert_tensors[e]]
-        emit((by_stage[MLP] if j == 0 else []) + ts, floor)
+        # the routed experts themselves run here only for a BF16-propagated output (their jobs observe them)
+        out_bf16 = fw.layers_mlp(tcfg, i, w, parts, experts=set() if propagate else None, routing=batches)
+    experts = _routed_experts(tcfg, by_stage[EXPERTS], stage, Routing(batches), quant, cfg, w_src, rel)
+    # handed out expert_batch experts at a time: the driver holds the weights of at most that many jobs
+    order = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
+    for j in range(0, max(1, len(order)), cfg.expert_batch):
+        batch = set(order[j:j + cfg.expert_batch])
+        emit((by_stage[MLP] if j == 0 else []) + [t for t in by_stage[EXPERTS] if stage[t.name][1] in batch],
+             experts)
     if writer.next_tensor() is not None:
         raise RuntimeError(f"layer {i}: {writer.next_tensor().name} was never written")
     if not propagate:
@@ -441,6 +410,35 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
             return fw.layers_mlp(tcfg, i, DeviceWeights(Overlay(w, deq, readback), quant.device), parts, act)
     finally:
         readback.close()
+
+
+def _routed_experts(tcfg, tensors: list[TensorPlan], stage: dict, routing: Routing, quant: _Quantizer,
+                    cfg: CalibConfig, w_src, rel: dict[str, str]) -> dict[str, RoutedExpert]:
+    """Tensor name -> its routed expert, for the experts that get GPTQ; the run's counts of those that saw too few
+    tokens (they keep the data-free rule, but an expert whose weights are MXFP4 values is calibrated on every
+    token instead: the data-free int4 rule cannot hold them and the plan fixed int4 for the whole fused layer)."""
+    by_expert: dict[int, list[TensorPlan]] = {}
+    for t in tensors:
+        by_expert.setdefault(stage[t.name][1], []).append(t)
+    routed = routing.tokens_per_expert(tcfg.num_experts)
+    every = cfg.expert_tokens == "all"
+    out = {}
+    for e, ts in sorted(by_expert.items()):
+        if all(t.scheme == FLOAT for t in ts):
+            continue
+        n = routing.tokens if every else routed[e]
+        quant.stats["routed_experts"] += 1
+        quant.stats["never_routed_experts"] += n == 0
+        quant.stats["fallback_experts"] += 0 < n < cfg.min_expert_tokens
+        on_all = not every and n < cfg.min_expert_tokens and _mxfp4_expert(ts, w_src, rel)
+        if on_all:
+            n = routing.tokens
+            quant.stats["all_token_experts"] += 1
+        quant.expert_tokens.append(n)
+        if n > 0 and n >= cfg.min_expert_tokens:
+            expert = RoutedExpert(e, tuple(ts), routing, every or on_all, tcfg)
+            out.update((t.name, expert) for t in ts)
+    return out
 
 
 def _mxfp4_expert(ts: list[TensorPlan], w_src, rel: dict[str, str]) -> bool:

@@ -255,7 +255,7 @@ def mla_attention(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None) -> tor
 # ------------------------------------------------------------------------------------------------
 # MLPs: dense SiTU MLP, sigmoid router, latent MoE
 # ------------------------------------------------------------------------------------------------
-def _glu(cfg: TextConfig, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def glu(cfg: TextConfig, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """SiTU for K3 (``hidden_act: situ``); SwiGLU for ``silu`` (Kimi Linear, and the official default)."""
     if cfg.hidden_act == "silu":
         return F.silu(a) * b
@@ -266,7 +266,7 @@ def dense_mlp(cfg: TextConfig, w: Weights, x: torch.Tensor, prefix: str, act=Non
     lin = _Lin(w, act)
     a = lin(x, prefix + "gate_proj.weight")
     b = lin(x, prefix + "up_proj.weight")
-    return lin(_glu(cfg, a, b), prefix + "down_proj.weight")
+    return lin(glu(cfg, a, b), prefix + "down_proj.weight")
 
 
 def route(cfg: TextConfig, gate_w: torch.Tensor, bias: torch.Tensor, x: torch.Tensor):
@@ -316,7 +316,7 @@ def moe(cfg: TextConfig, w: Weights, x: torch.Tensor, act=None, dense: bool = Fa
     W1 = torch.stack([w[f"{M}experts.{e}.w1.weight"] for e in range(cfg.num_experts)])
     W3 = torch.stack([w[f"{M}experts.{e}.w3.weight"] for e in range(cfg.num_experts)])
     W2 = torch.stack([w[f"{M}experts.{e}.w2.weight"] for e in range(cfg.num_experts)])
-    he = _glu(cfg, torch.einsum("nr,eir->eni", z, W1), torch.einsum("nr,eir->eni", z, W3))
+    he = glu(cfg, torch.einsum("nr,eir->eni", z, W1), torch.einsum("nr,eir->eni", z, W3))
     R = torch.zeros(z.shape[0], cfg.num_experts, dtype=z.dtype, device=z.device).scatter(1, idx, wts)
     y = torch.einsum("eni,eri,ne->nr", he, W2, R)
     return _moe_out(cfg, w, lin, M, y, xf, latent, act).reshape(shape)
@@ -333,19 +333,19 @@ def _moe_out(cfg, w, lin, M, y, xf, latent, act):
 
 
 def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None,
-             experts: Collection[int] | None = None, observe_every_token: Collection[int] = ()) -> list[torch.Tensor]:
+             experts: Collection[int] | None = None, routing: list | None = None) -> list[torch.Tensor]:
     """Latent MoE on several token batches, expert-major: each routed expert's w1/w3/w2 is read from
     ``w`` once (``w`` may be a lazy mapping that loads it on access), only if the router sends it
     tokens in some batch, applied to every batch, then dropped. Per batch the arithmetic is exactly
     that of a batch-at-a-time loop (same shapes, experts accumulated in ascending order), so results
     do not depend on how many batches are passed together.
 
-    ``experts``: only these routed experts run (calibration gathers expert statistics a batch of
-    experts at a time to bound memory; the outputs are then partial and not for use).
+    ``experts``: only these routed experts run (the outputs are then partial and not for use: calibration
+    runs none of them when it only needs their input and the non-routed Linears').
 
-    ``observe_every_token``: inside ``observe_linear_inputs``, these routed experts (those of ``experts``,
-    routed to or not) are observed on every token of every batch, as if the router had sent them all of them;
-    the outputs still follow the router (their routed computation is not observed)."""
+    ``routing``: a list to which each batch's ``(z, idx, wts)`` is appended: the routed experts' input [n, R]
+    (the latent projection's output), the chosen experts [n, k] and their weights [n, k] (calibration hands
+    each expert its rows, ``z[(idx == e).any(-1)]``, to the worker that quantizes it)."""
     lin = _Lin(w, act)
     act = act or {}
     M = "block_sparse_moe."
@@ -360,27 +360,22 @@ def moe_many(cfg: TextConfig, w: Weights, xs: list[torch.Tensor], act=None,
         z = lin(xf, M + "routed_expert_down_proj.weight") if latent else xf
         zs.append(z)
         ys.append(z.new_zeros(z.shape))
+        if routing is not None:
+            routing.append((z, idx, wts))
     used = torch.unique(torch.cat([idx.reshape(-1) for idx, _ in routes])) if routes else torch.empty(0)
-    every = set(observe_every_token) if _LINEAR_OBSERVER.get() is not None else set()
-    for e in sorted(set(used.tolist()) | every):
+    for e in sorted(used.tolist()):
         if experts is not None and e not in experts:
             continue
         E = f"{M}experts.{e}."
         W1, W3, W2 = w[E + "w1.weight"], w[E + "w3.weight"], w[E + "w2.weight"]
         m1, m3, m2 = act.get(E + "w1.weight"), act.get(E + "w3.weight"), act.get(E + "w2.weight")
-        observe_all = e in every
-        n1, n3, n2 = (None, None, None) if observe_all else (E + "w1.weight", E + "w3.weight", E + "w2.weight")
+        n1, n3, n2 = E + "w1.weight", E + "w3.weight", E + "w2.weight"
         for b, ((idx, wts), z) in enumerate(zip(routes, zs)):
-            if observe_all:  # a view of its own: observers tell shared inputs apart by the tensor object
-                zv = z.view_as(z)
-                _observe(E + "w1.weight", zv)
-                _observe(E + "w3.weight", zv)
-                _observe(E + "w2.weight", _glu(cfg, _linear(zv, W1, m1), _linear(zv, W3, m3)))
             tok, slot = (idx == e).nonzero(as_tuple=True)
             if tok.numel() == 0:
                 continue
             ze = z[tok]
-            he = _glu(cfg, _linear(ze, W1, m1, n1), _linear(ze, W3, m3, n3))
+            he = glu(cfg, _linear(ze, W1, m1, n1), _linear(ze, W3, m3, n3))
             ys[b] = ys[b].index_add(0, tok, _linear(he, W2, m2, n2) * wts[tok, slot].unsqueeze(-1))
         del W1, W3, W2
     return [_moe_out(cfg, w, lin, M, y, xf, latent, act).reshape(shape)
@@ -435,13 +430,13 @@ def layers_attention(cfg: TextConfig, i: int, w: Weights, states: list[State], a
 
 
 def layers_mlp(cfg: TextConfig, i: int, w: Weights, parts: list[tuple], act: dict[str, str] | None = None,
-               observe_every_token: Collection[int] = ()) -> list[State]:
+               experts: Collection[int] | None = None, routing: list | None = None) -> list[State]:
     """Second half of ``layers_forward``: the MLP (dense or MoE) on ``layers_attention``'s output
-    (``observe_every_token``: as in ``moe_many``)."""
+    (``experts``, ``routing``: as in ``moe_many``; a dense layer has neither)."""
     if cfg.is_dense(i):
         ms = [dense_mlp(cfg, w, h2n, "mlp.", act) for _, _, h2n in parts]
     else:
-        ms = moe_many(cfg, w, [h2n for _, _, h2n in parts], act, observe_every_token=observe_every_token)
+        ms = moe_many(cfg, w, [h2n for _, _, h2n in parts], act, experts=experts, routing=routing)
     return [State(p + m, blocks) for (p, blocks, _), m in zip(parts, ms)]
 
 
