@@ -140,8 +140,9 @@ def test_the_forward_is_estimated_on_the_threads_the_run_gives_it_and_all_expert
     assert routed["expert_tokens"] == "routed" and routed["expert_tokens_mean"] == 2048 * k / E
     every = est.estimate(plan, spec, CalibConfig(tokens=2048, expert_tokens="all"), workers=2)
     assert every["expert_tokens"] == "all" and every["expert_tokens_mean"] == 2048
-    flops = lambda e: e["hessian_core_h"] * e["fp32_gflops"]  # noqa: E731 (each estimate measures its own rate)
-    assert flops(every) > 1.3 * flops(routed)  # the experts' Hessians from E/k x the tokens
+    # the experts' jobs form their Hessians and w2's input from E/k x the tokens; the driver's share is the same
+    assert every["job_gflop"] == pytest.approx(routed["job_gflop"] * E / k)
+    assert every["hessian_gflop"] == routed["hessian_gflop"] and every["forward_gflop"] == routed["forward_gflop"]
 
 
 def test_a_described_driver_sets_the_forward_threads_and_caps_local_workers(tiny_a3):
@@ -216,11 +217,13 @@ def test_plan_counts_the_all_token_pass_of_under_routed_mxfp4_experts(tiny_a3, t
     assert few["under_routed_share"] == pytest.approx(share) and 0.1 < share < 1
     none = est.estimate(plan, spec, CalibConfig(tokens=256, min_expert_tokens=0), workers=1)
     assert none["under_routed_share"] == 0 and none["all_token_worst_s"] > 0
-    # the flops added: that share of every such expert's pass on every token (forward and Hessians)
-    fwd, hess, n = est._all_token_flops(est._linears(plan, spec), 256, every=False)
-    assert n == few["all_token_experts"]
-    assert few["forward_gflop"] - none["forward_gflop"] == pytest.approx(share * fwd / 1e9)
-    assert few["hessian_gflop"] - none["hessian_gflop"] == pytest.approx(share * hess / 1e9)
+    # the flops added: that share of every such expert's job on every token's rows (its Hessians and w2's input);
+    # the driver's forward and Hessians do none of it
+    jobs, *_ = est._jobs_and_hessians(est._linears(plan, spec), t, CalibConfig(tokens=256))
+    extra = [est._expert_job_flops(j.members, 256) - j.flops for js in jobs.values() for j in js if j.expert]
+    assert len(extra) == few["all_token_experts"] and min(extra) > 0
+    assert few["job_gflop"] - none["job_gflop"] == pytest.approx(share * sum(extra) / 1e9)
+    assert few["forward_gflop"] == none["forward_gflop"] and few["hessian_gflop"] == none["hessian_gflop"]
     every = est.estimate(plan, spec, CalibConfig(tokens=256, expert_tokens="all"), workers=1)
     assert every["all_token_experts"] == 0  # --expert-tokens all already observes every expert on every token
     _, bf16_plan, bf16_spec = tiny_a3

@@ -4,15 +4,15 @@ The run (calibrate/run.py) is one driver, layer by layer, and GPTQ jobs spread o
 
 * the driver runs the forward of the calibration tokens through every layer, serially, on its own
   threads (``min(workers, cores of this machine)``: while it runs no GPTQ job is outstanding, so it has the
-  run's cores; run.forward_threads): per layer the attention twice (observed, then
-  re-run quantized), the MLP twice (observed, and the output from the bytes written) and once more
-  per further batch of routed experts, and it forms the Hessians (``2 K^2`` per token per distinct
-  input, a routed expert only from its own tokens, k/E of them, or with ``--expert-tokens all`` from every
-  token, each routed expert then running once more on every token to be observed);
-* the GPTQ jobs of one stage (a layer's attention, its dense or non-routed MLP Linears, one batch of
-  ``expert_batch`` routed experts) run at once over the workers: the stage takes
+  run's cores; run.forward_threads): per layer the attention twice (observed, then re-run quantized), the
+  MLP's non-routed Linears twice (observed, and the output from the bytes written), the routed experts once
+  (the output), and it forms the Hessians of the non-routed Linears (``2 K^2`` per token per distinct input);
+* the GPTQ jobs of one stage (a layer's attention; its dense or non-routed MLP Linears with the first batch of
+  ``expert_batch`` routed experts; each further batch) run at once over the workers: the stage takes
   ``max(sum of its jobs / workers, its longest job)``; local workers are capped at this machine's
-  cores, Ray workers are not (a stage never has more jobs than 3 x expert_batch).
+  cores, Ray workers are not. A routed expert is one job: it forms its Hessians from its token rows (k/E of
+  the tokens on average, or with ``--expert-tokens all`` every token) and w2's input before its GPTQs
+  (``_expert_job_flops``), so that work is spread over the workers too.
 
 Rates, measured here in well under a second each: fp32 matmul on one thread (the forward's Linears,
 attention scores, Hessian products), seconds per element of the attention's elementwise work, the
@@ -30,6 +30,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 
@@ -223,13 +224,45 @@ def _hessian_key(name: str, layer: int, stage: int, expert: int, K: int, shares:
     return (layer, stage, expert, K, True) if shares else (layer, stage, expert, K, name)
 
 
-def _jobs_and_hessians(linears: list, cfg: CalibConfig):
-    """Per GPTQ stage (layer, stage, expert batch): its jobs [(``job_kind``, matmul, N, K)] and its Hessian keys
-    {key: K}; per layer the fp32 bytes of its non-expert weights; the bytes of one routed expert's weights."""
-    jobs = defaultdict(list)
+def _expert_rows(t, cfg: CalibConfig) -> float:
+    """Token rows a routed expert's job gets on average: T k / E routed, or every token."""
+    return cfg.tokens if cfg.expert_tokens == "all" else cfg.tokens * t.num_experts_per_token / t.num_experts
+
+
+def _expert_job_flops(members: list, rows: float) -> float:
+    """Flops a routed expert's job spends before its GPTQ (``jobs.ExpertJob``): the Hessian of w1 / w3 from its rows
+    (2 R^2 per row), and w2's input, ``glu(rows W1^T, rows W3^T)`` (4 R I per row), and its Hessian (2 I^2)."""
+    gate_up = [(N, K) for _, m, N, K in members if m != "down"]
+    down = [(N, K) for _, m, N, K in members if m == "down"]
+    flops = 2 * rows * gate_up[0][1] ** 2 if gate_up else 0.0
+    if down:
+        N, I = down[0]
+        flops += rows * (4 * N * I + 2 * I * I)  # N = R (w2 is [R, I])
+    return flops
+
+
+class Job(NamedTuple):
+    """A GPTQ job as the run hands it out: ``members`` [(``job_kind``, matmul, N, K)] (a routed expert: all its
+    Linears), the flops it spends forming its Hessians, (layer, expert) of a routed expert (else None), and the
+    source bytes of its weights (what the driver holds for it until it is done)."""
+
+    members: list
+    flops: float
+    expert: tuple | None
+    source_bytes: int
+
+
+def _jobs_and_hessians(linears: list, t, cfg: CalibConfig):
+    """Per GPTQ stage (layer, stage, expert batch), as the run hands them out: its ``Job``s (a routed expert: all its Linears in one job,
+    its Hessians formed there; the MLP's non-routed Linears go with the first batch of experts), and the stage's
+    Hessian keys formed on the driver {key: K}; per layer the fp32 bytes of its non-expert weights; the bytes of one
+    routed expert's weights."""
+    linear_jobs = defaultdict(list)
+    expert_jobs = defaultdict(lambda: defaultdict(list))
     hess = defaultdict(dict)
     nonexpert = defaultdict(int)
     expert_bytes = defaultdict(int)
+    expert_source = defaultdict(int)
     for tp, N, K, layer, stage, expert, shares in linears:
         if stage == EXPERTS:
             expert_bytes[(layer, expert)] += 4 * N * K
@@ -237,11 +270,19 @@ def _jobs_and_hessians(linears: list, cfg: CalibConfig):
             nonexpert[layer] += 4 * N * K
         if tp.scheme == FLOAT:
             continue
-        group = (layer, stage, expert // max(1, cfg.expert_batch) if stage == EXPERTS else 0)
-        jobs[group].append((job_kind(tp), tp.matmul, N, K))
-        # the MLP's non-routed Linears are collected with the first batch of experts
-        hess[group if stage != MLP else (layer, EXPERTS, 0)][_hessian_key(tp.name, layer, stage, expert, K,
-                                                                           shares)] = K
+        if stage == EXPERTS:
+            group = (layer, EXPERTS, expert // max(1, cfg.expert_batch))
+            expert_jobs[group][expert].append((job_kind(tp), tp.matmul, N, K))
+            expert_source[(layer, expert)] += tp.in_bytes
+            continue
+        group = (layer, EXPERTS, 0) if stage == MLP else (layer, stage, 0)
+        linear_jobs[group].append(Job([(job_kind(tp), tp.matmul, N, K)], 0.0, None, tp.in_bytes))
+        hess[group][_hessian_key(tp.name, layer, stage, expert, K, shares)] = K
+    jobs = defaultdict(list, linear_jobs)
+    rows = _expert_rows(t, cfg) if t.num_experts else 0.0
+    for group, by_expert in expert_jobs.items():
+        jobs[group] += [Job(members, _expert_job_flops(members, rows), (group[0], e), expert_source[(group[0], e)])
+                        for e, members in by_expert.items()]
     return jobs, hess, nonexpert, max(expert_bytes.values(), default=0)
 
 
@@ -257,24 +298,13 @@ def under_routed_share(T: int, p: float, floor: int) -> float:
     return min(1.0, sum(math.exp(log(j)) for j in range(min(floor, T + 1))))
 
 
-def _all_token_flops(linears: list, T: int, every: bool) -> tuple[float, float, int]:
-    """(forward flops, Hessian flops, experts) of observing on every token each routed expert whose weights are
-    a packed source's MXFP4 values made per-channel int4: what the run does for such an expert when it is
-    under-routed (``--expert-tokens all`` already counts it for every expert)."""
+def _all_token_experts(linears: list, every: bool) -> set:
+    """(layer, expert) of each routed expert whose weights are a packed source's MXFP4 values made per-channel int4:
+    when under-routed, its job gets every token's rows (``--expert-tokens all`` already gives them to every
+    expert)."""
     if every:
-        return 0.0, 0.0, 0
-    fwd = hess = 0.0
-    keys, experts = set(), set()
-    for tp, N, K, layer, stage, expert, shares in linears:
-        if stage != EXPERTS or not _packed_to_int4(tp):
-            continue
-        experts.add((layer, expert))
-        fwd += 2 * N * K * T
-        key = _hessian_key(tp.name, layer, stage, expert, K, shares)
-        if key not in keys:
-            keys.add(key)
-            hess += 2 * K * K * T
-    return fwd, hess, len(experts)
+        return set()
+    return {(layer, expert) for tp, _, _, layer, stage, expert, _ in linears if stage == EXPERTS and _packed_to_int4(tp)}
 
 
 def worker_bytes(N: int, K: int, kind: str = "") -> int:
@@ -286,7 +316,23 @@ def worker_bytes(N: int, K: int, kind: str = "") -> int:
     return WORKER_BASE_BYTES + 4 * N * K + hessian_bytes(K) + working_set_bytes(N, K, kind.endswith(MXFP4_KIND))
 
 
-def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int, stage_hessians: int) -> dict:
+def job_bytes(members: list, rows: float) -> int:
+    """Resident bytes of a worker running one job: a Linear (``worker_bytes``), or a routed expert (``rows`` > 0):
+    all its weights, its token rows, both its Hessians, w2's input being formed (three [rows, I] float32 blocks)
+    and the GPTQ working set of its largest Linear."""
+    from ..quant.gptq import working_set_bytes
+
+    if not rows:
+        return worker_bytes(*members[0][2:], members[0][0])
+    kind, _, N, K = max(members, key=lambda m: worker_bytes(m[2], m[3], m[0]))
+    R = next((k for _, m, _, k in members if m != "down"), N)
+    I = next((k for _, m, _, k in members if m == "down"), 0)
+    return (WORKER_BASE_BYTES + sum(4 * n * k for _, _, n, k in members) + int(4 * rows * (R + 3 * I))
+            + hessian_bytes(R) + (hessian_bytes(I) if I else 0) + working_set_bytes(N, K, kind.endswith(MXFP4_KIND)))
+
+
+def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int, stage_hessians: int,
+                 in_flight: int = 0) -> dict:
     """The driver's resident bytes at its peak, by part (the run's accounting, ``calibrate/run.py``):
 
     * weights: one layer's non-expert Linears (fp32) + two routed experts (the one in use and a read-back);
@@ -296,9 +342,12 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
       blocks (3 x (1 + blocks) x T x H x 4 B), MLA's score matrices (3 x windows x heads x seq^2 x 4 B),
       KDA's per-token blocks (8 x T x heads x head_dim x 4 B), a dense MLP's gate/up/GLU outputs
       (3 x T x I x 4 B) or the MoE's latent input and output;
-    * Hessians: the largest stage's sums (``hessian_bytes`` each; float64 up to FLOAT64_MAX_K) plus one
-      float64 hand-out copy, as GPTQ is fed one job at a time, plus the collector's float32 product and
-      its float64 cast for the widest float64 input (12 K^2)."""
+    * Hessians: the largest stage's sums formed here (attention; the MLP's non-routed Linears: a routed expert's
+      are formed by its job) (``hessian_bytes`` each; float64 up to FLOAT64_MAX_K) plus one float64 hand-out copy,
+      as GPTQ is fed one job at a time, plus the collector's float32 product and its float64 cast for the widest
+      float64 input (12 K^2);
+    * jobs: ``in_flight``, the weights (and a routed expert's rows) of the jobs handed out and not yet done (the
+      runner's window: ``jobs.JOBS_PER_WORKER`` per worker, at most a stage's)."""
     t = spec.text
     T, H = cfg.tokens, t.hidden_size
     blocks = -(-t.num_hidden_layers // t.attn_res_block_size) if t.attn_res_block_size else 0
@@ -312,6 +361,7 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
              # one at a time: the residual mix, then the attention, then the MLP (the MoE's latent in/out)
              "forward": max(3 * (1 + blocks) * act, mla, kda, dense + 2 * T * (t.latent_size or H) * 4),
              "hessians": stage_hessians,
+             "jobs": in_flight,
              "base": DRIVER_BASE_BYTES}
     parts["total"] = sum(parts.values())
     return parts
@@ -334,48 +384,53 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     fp32 = _rate(torch.float32)
     op_s, elem_s = _overheads()
     linears = _linears(plan, spec)
-    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, cfg)
+    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, t, cfg)
+    every = cfg.expert_tokens == "all"
+    rows = _expert_rows(t, cfg) if E else 0.0
 
-    # GPTQ: per stage, over the workers
-    models = gptq_models({s: m for js in jobs.values() for s, m, _, _ in js})
+    # GPTQ jobs (a routed expert's with its Hessians): per stage, over the workers. Routed MXFP4 experts under
+    # --min-expert-tokens get every token's rows (run.py, ``on_all``): the expected share of them under balanced
+    # routing is counted, and the wall if every one were
+    models = gptq_models({s: m for js in jobs.values() for j in js for s, m, _, _ in j.members})
     cost = lambda s, m, N, K: models[s][0] + models[s][1] * K + models[s][2] * (N * K * K + K ** 3)  # noqa: E731
-    gptq_wall = gptq_core = 0.0
+    on_all = _all_token_experts(linears, every)
+    under = under_routed_share(T, k / E, cfg.min_expert_tokens) if E and not every else 0.0
+
+    def gptq_time(all_token: float) -> tuple[float, float, float]:  # (wall, core seconds, job gflop)
+        wall = core = gflop = 0.0
+        for js in jobs.values():
+            secs = []
+            for members, flops, expert, _ in js:
+                if expert in on_all:  # that share of it on every token's rows
+                    flops += all_token * (_expert_job_flops(members, T) - flops)
+                secs.append(sum(cost(*m) for m in members) + flops / fp32)
+                gflop += flops / 1e9
+            core += sum(secs)
+            wall += max(sum(secs) / gptq_workers, max(secs))
+        return wall, core, gflop
+
+    gptq_wall, gptq_core, job_gflop = gptq_time(under if on_all else 0.0)
+    all_token_worst_s = (gptq_time(1.0)[0] - gptq_wall) if on_all else 0.0
     per_expert = {}
-    for group, js in jobs.items():
-        secs = [cost(*j) for j in js]
-        gptq_core += sum(secs)
-        gptq_wall += max(sum(secs) / gptq_workers, max(secs))
-        if group[1] == EXPERTS:
-            for s, m, N, K in js:
-                if m in ("gate", "up") and s not in per_expert:
+    for js in jobs.values():
+        for members, _, expert, _ in js:
+            for s, m, N, K in members:
+                if expert is not None and m in ("gate", "up") and s not in per_expert:
                     per_expert[s] = cost(s, m, N, K)
 
-    # forward and Hessians: serial in the driver, on its threads
+    # forward and Hessians: serial in the driver, on its threads: the attention twice (observed, then quantized),
+    # the non-routed MLP twice (observed, then the output from the bytes written), the routed experts once (the
+    # output; a BF16-propagated run runs them in the observed pass instead)
     fwd_flops = hess_flops = 0.0
     layers = t.num_hidden_layers
-    n_batches = -(-E // max(1, cfg.expert_batch)) if E else 0
-    every = cfg.expert_tokens == "all"
+    bf16 = cfg.propagate != "quantized"
     for tp, N, K, layer, stage, _, shares in linears:
         share = k / E if stage == EXPERTS else 1.0
-        if stage == EXPERTS and every and shares:  # w1 / w3 run on every token to give w2 its observed input
-            fwd_flops += 2 * N * K * T
-        if layer == GLOBAL:
-            passes = 1.0
-        elif stage == EXPERTS:  # observed with every expert, once in its own batch, then the output
-            passes = 2.0 + (n_batches > 1)
-        elif stage == MLP and not t.is_dense(layer):  # every batch's pass runs the non-routed MoE Linears too
-            passes = 1.0 + n_batches
-        else:
-            passes = 2.0
+        passes = 1.0 if layer == GLOBAL or stage == EXPERTS or bf16 else 2.0
         fwd_flops += 2 * N * K * share * passes * T
     for keys in hess.values():
         for key, K in keys.items():
-            hess_flops += 2 * K * K * T * (k / E if key[1] == EXPERTS and not every else 1.0)
-    # routed MXFP4 experts under --min-expert-tokens run once more on every token (run.py, ``on_all``)
-    all_token = _all_token_flops(linears, T, every)
-    under = under_routed_share(T, k / E, cfg.min_expert_tokens) if E and not every else 0.0
-    fwd_flops += under * all_token[0]
-    hess_flops += under * all_token[1]
+            hess_flops += 2 * K * K * T
     windows = max(1, T // cfg.seq_len)
     mla_layers = sum(1 for i in range(layers) if not (t.is_kda(i) and not t.is_full_attn(i)))
     kda_layers = layers - mla_layers
@@ -386,11 +441,9 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     if kda_layers:
         d, C = t.kda_head_dim, 64
         attn_s_1 += kda_layers * T * t.kda_num_heads * (6 * d * (d + C) / fp32 + KDA_PASSES * (d + C) * elem_s)
-    ops = layers * 4 * OPS_PER_LAYER_PASS + (layers - t.first_k_dense_replace) * min(E, T * k) * OPS_PER_EXPERT * 3
+    ops = layers * 4 * OPS_PER_LAYER_PASS + (layers - t.first_k_dense_replace) * min(E, T * k) * OPS_PER_EXPERT
     fwd_s_1 = fwd_flops / fp32 + 2 * attn_s_1 + ops * op_s
     hess_s_1 = hess_flops / fp32
-    # if every such expert were under-routed (a skewed router): what the all-token pass would add at most
-    all_token_worst_s = (1.0 - under) * sum(all_token) / fp32 / threads
     forward_wall = (fwd_s_1 + hess_s_1) / threads
     startup = STARTUP_S.get(executor, STARTUP_S["local"])
     wall = startup + forward_wall + gptq_wall
@@ -400,26 +453,31 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
         ks = list(keys.values())
         copy = max((8 * K * K for K in ks if hessian_bytes(K) == 8 * K * K), default=0)
         stage_h = max(stage_h, sum(hessian_bytes(K) for K in ks) + copy + copy // 8 * 12)
-    driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h)
-    biggest = max(((N, K, s) for js in jobs.values() for s, _, N, K in js), key=lambda j: worker_bytes(*j),
-                  default=(0, 0, ""))
-    worker = worker_bytes(*biggest) if biggest[0] else WORKER_BASE_BYTES
+    from .jobs import JOBS_PER_WORKER
+
+    window = JOBS_PER_WORKER * gptq_workers
+    held = lambda j: j.source_bytes + (4 * rows * j.members[0][3] if j.expert else 0)  # noqa: E731 (+ its rows)
+    in_flight = max((sum(sorted((held(j) for j in js), reverse=True)[:window]) for js in jobs.values()), default=0)
+    driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h, int(in_flight))
+    biggest = max((j for js in jobs.values() for j in js), key=lambda j: job_bytes(j.members, rows if j.expert else 0),
+                  default=None)
+    worker = job_bytes(biggest.members, rows if biggest.expert else 0) if biggest else WORKER_BASE_BYTES
+    shape = max(biggest.members, key=lambda m: m[2] * m[3])[2:] if biggest else (0, 0)
     local_workers = min(workers, cores) if executor == "local" else 0
-    local_peak = driver["total"] + max((sum(sorted((worker_bytes(N, K, s) for s, _, N, K in js), reverse=True)[:local_workers])
-                                        for js in jobs.values()), default=0)
+    local_peak = driver["total"] + max((sum(sorted((job_bytes(j.members, rows if j.expert else 0) for j in js),
+                                                   reverse=True)[:local_workers]) for js in jobs.values()), default=0)
     return {"hours": wall / 3600, "wall_seconds": wall, "workers": workers, "executor": executor,
             "gptq_workers": gptq_workers, "driver_threads": threads, "startup_s": startup,
             "forward_s": fwd_s_1 / threads, "hessian_s": hess_s_1 / threads, "gptq_s": gptq_wall,
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
             "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
-            "forward_gflop": fwd_flops / 1e9, "hessian_gflop": hess_flops / 1e9,
+            "forward_gflop": fwd_flops / 1e9, "hessian_gflop": hess_flops / 1e9, "job_gflop": job_gflop,
             "max_parallel_jobs": max((len(js) for js in jobs.values()), default=0),
-            "expert_tokens": cfg.expert_tokens, "expert_tokens_mean": (T if every else T * k / E) if E else 0,
-            "all_token_experts": all_token[2], "under_routed_share": under, "all_token_worst_s": all_token_worst_s
-            if all_token[2] else 0.0,
+            "expert_tokens": cfg.expert_tokens, "expert_tokens_mean": rows,
+            "all_token_experts": len(on_all), "under_routed_share": under, "all_token_worst_s": all_token_worst_s,
             "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
-            "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(biggest[:2]),
+            "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(shape),
             "memory_bytes": local_peak if executor == "local" else driver["total"],
             "device": cfg.device, "rates_from": "cpu",
             "device_memory_bytes": 0 if cfg.device == "cpu" else

@@ -1,8 +1,8 @@
 """The GPTQ problems of a layer as jobs, and the runners that solve them: in this process (``SerialRunner``)
 or in local worker processes (``ProcessRunner``); ``ray_jobs.RayRunner`` runs them as Ray tasks.
 
-A job is self-contained (the weight as float32, the Hessian of its inputs, the codec's name and the GPTQ
-settings) and ``run_gptq_job`` is a pure function of it, run on one thread wherever it runs: the bytes do
+A job is self-contained (the weight as stored in the source, decoded where the job runs; the Hessian of its
+inputs; the codec's name and the GPTQ settings) and ``run_gptq_job`` is a pure function of it, run on one thread wherever it runs: the bytes do
 not depend on the runner or on how many workers it has. Linears fed the same input (q/k/v, an expert's
 w1/w3) hold the same Hessian object; a runner sends it once where it can (Ray) and the driver keeps one copy.
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import BadCheckpoint, KimiQuantError
+from ..executor.unit import SourceValues
 from ..quant.base import get_codec
 from ..quant.gptq import GPTQConfig, gptq_quantize
 
@@ -45,7 +46,8 @@ JOBS_PER_WORKER = 2
 class GPTQJob:
     """One Linear's GPTQ problem. ``name``: the source tensor (for messages); ``role``: attention, mlp,
     expert or head; ``scheme``, ``group_size``, ``pow2_scale``, ``matmul``: the codec as the plan has it;
-    ``weight``: float32 [N, K]; ``hessian``: (1/n) sum x x^T [K, K] of its inputs."""
+    ``weight``: [N, K], float32 or the source's arrays (``SourceValues``: half the bytes of float32 for BF16, an
+    eighth for packed MXFP4, decoded by the worker); ``hessian``: (1/n) sum x x^T [K, K] of its inputs."""
 
     name: str
     role: str
@@ -53,7 +55,7 @@ class GPTQJob:
     group_size: int
     pow2_scale: bool
     matmul: str | None
-    weight: np.ndarray
+    weight: np.ndarray | SourceValues
     hessian: np.ndarray
     config: GPTQConfig
 
@@ -71,7 +73,7 @@ def run_gptq_job(job: GPTQJob) -> dict[str, np.ndarray]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return dict(gptq_quantize(job.codec, job.weight, job.matmul, job.hessian, job.config))
+        return dict(gptq_quantize(job.codec, float32(job.weight), job.matmul, job.hessian, job.config))
     except ValueError as e:  # codecs refuse NaN / Inf
         raise BadCheckpoint(f"tensor {job.name!r}: {e}") from None
     finally:
@@ -87,13 +89,13 @@ class ExpertJob:
     (``hessian.hessian_of_rows``), so the bytes do not depend on where it runs. ``jobs``: a GPTQJob per calibrated
     Linear of the expert, in plan order, ``hessian`` unset (``matmul`` tells gate / up from down); ``rows``: per
     calibration batch the expert's input rows, float32 [n_b, R] (the tokens routed to it, or every token);
-    ``w1``, ``w3``: float32, for w2's input; ``text``: the model's TextConfig (its GLU)."""
+    ``w1``, ``w3``: as a GPTQJob's weight, for w2's input; ``text``: the model's TextConfig (its GLU)."""
 
     name: str
     jobs: tuple[GPTQJob, ...]
     rows: tuple[np.ndarray, ...]
-    w1: np.ndarray
-    w3: np.ndarray
+    w1: np.ndarray | SourceValues
+    w3: np.ndarray | SourceValues
     text: object
 
     def hessians(self, gate_up: bool = True, down: bool = True) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -107,7 +109,7 @@ class ExpertJob:
         h_in = hessian_of_rows(rows) if gate_up else None
         h_mid = None
         if down:
-            W1, W3 = torch.from_numpy(self.w1), torch.from_numpy(self.w3)
+            W1, W3 = torch.from_numpy(float32(self.w1)), torch.from_numpy(float32(self.w3))
             h_mid = hessian_of_rows(glu(self.text, x @ W1.t(), x @ W3.t()) for x in rows)
         return h_in, h_mid
 
@@ -129,6 +131,11 @@ def run_expert_job(job: ExpertJob) -> list[dict[str, np.ndarray]]:
 
 
 Job = GPTQJob | ExpertJob
+
+
+def float32(weight: np.ndarray | SourceValues) -> np.ndarray:
+    """A job's weight as float32 (decoded where the job runs)."""
+    return weight.f32() if isinstance(weight, SourceValues) else weight
 
 
 def run_gptq_jobs(jobs: list[Job]) -> list[dict[str, np.ndarray]]:

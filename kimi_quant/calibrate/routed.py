@@ -66,14 +66,14 @@ class RoutedExpert:
     def job(self, reader, jobs: list[GPTQJob], phases) -> ExpertJob:
         """The ExpertJob of ``jobs`` (its calibrated Linears, plan order); w2's input needs w1 and w3 even where they
         are not calibrated themselves (then read here)."""
-        from ..executor.unit import source_f32
+        from ..executor.unit import source_values
 
         given = {j.matmul: j.weight for j in jobs}
         if any(j.matmul == "down" for j in jobs) and not {"gate", "up"} <= set(given):
             with phases("read"):
                 for t in self.tensors:
                     if t.matmul in ("gate", "up") and t.matmul not in given:
-                        given[t.matmul] = source_f32(reader, t)
+                        given[t.matmul] = source_values(reader, t)
         empty = np.empty((0, 0), np.float32)
         with phases("rows"):
             rows = self.routing.rows(self.index, self.every_token)

@@ -188,7 +188,7 @@ class _Quantizer:
         """Write ``ts`` in plan order; ``hessian_of[name]``: a callable giving its Hessian, or ``experts[name]``: the
         routed expert it belongs to, which forms its Hessians where its job runs (absent from both: the data-free
         rule); ``role[name]``: attention, mlp, expert or head. Returns name -> its outputs (None for FLOAT)."""
-        from ..executor.unit import release_source, source_f32
+        from ..executor.unit import release_source, source_values
 
         experts = experts or {}
         calibrated = set()
@@ -204,9 +204,10 @@ class _Quantizer:
 
         def job(t: TensorPlan) -> GPTQJob:
             with self.phases("read"):
-                w = source_f32(writer.reader, t)
+                w = source_values(writer.reader, t)  # the worker decodes it
                 release_source(writer.reader, t)
-            gptq = for_mxfp4_weights(self.gptq) if holds_mxfp4_values(t, w) else self.gptq
+            gptq = for_mxfp4_weights(self.gptq) if holds_mxfp4_values(t, None if t.packed else w.f32()) \
+                else self.gptq
             h = hessian_of[t.name]() if t.name not in experts else None
             return GPTQJob(t.name, role[t.name], t.scheme, t.group_size, t.pow2_scale, t.matmul, w, h, gptq)
 
@@ -451,8 +452,8 @@ def _mxfp4_expert(ts: list[TensorPlan], w_src, rel: dict[str, str]) -> bool:
 
 
 def holds_mxfp4_values(t: TensorPlan, w) -> bool:
-    """Whether ``t``'s weight ``w`` (float32 numpy) is MXFP4 values: a packed source's, or its BF16 decoding (the
-    same bytes either way: each 32-block is E2M1 levels times a power of two)."""
+    """Whether ``t``'s weight ``w`` (float32 numpy; not looked at for a packed source) is MXFP4 values: a packed
+    source's, or its BF16 decoding (the same bytes either way: each 32-block is E2M1 levels times a power of two)."""
     return bool(t.packed) or on_mxfp4_grid(w)
 
 

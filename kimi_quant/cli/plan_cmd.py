@@ -161,7 +161,8 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
     return [f"calibrate ~{fmt_duration(e['wall_seconds'])} on {where}: start-up {fmt_duration(e['startup_s'])}, "
             f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (layer by layer between the GPTQ stages, on the driver's "
             f"{e['driver_threads']} threads), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
-            f"workers, at most {e['max_parallel_jobs']} at once); {cal.tokens} tokens" + _expert_tokens(e),
+            f"workers, at most {e['max_parallel_jobs']} at once; a routed expert is one job that forms its own "
+            f"Hessians); {cal.tokens} tokens" + _expert_tokens(e),
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
             "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
             + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",
@@ -169,7 +170,8 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"         memory ~{fmt_size(e['worker_memory_bytes'])} per worker (its largest GPTQ job, "
             f"[{e['worker_memory_tensor_shape'][0]}, {e['worker_memory_tensor_shape'][1]}]), "
             f"~{fmt_size(e['driver_memory_bytes'])} driver (state of {cal.tokens} tokens {fmt_size(d['state'])}, forward "
-            f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])})"
+            f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])}, jobs "
+            f"handed out {fmt_size(d['jobs'])})"
             + (f", ~{fmt_size(e['memory_bytes'])} peak on this machine" if e["executor"] == "local" else "")
             + "; shards are cut at layer boundaries"] + _device_lines(e)
 

@@ -9,6 +9,7 @@ plus fixed buffers, whatever the checkpoint or shard size.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -161,10 +162,34 @@ def release_source(reader_of: Callable[[str], SafetensorsReader], t) -> None:
 
 def source_f32(reader_of: Callable[[str], SafetensorsReader], t) -> np.ndarray:
     """``t``'s source values as float32 (a packed MXFP4 pair decoded exactly)."""
-    parts = read_source(reader_of, t)
-    if t.packed:
-        return decode_mxfp4(*parts)
-    return to_f32(parts[0], t.dtype)
+    return _decoded(read_source(reader_of, t), t.dtype, bool(t.packed))
+
+
+def _decoded(parts: tuple[np.ndarray, ...], dtype: str, packed: bool) -> np.ndarray:
+    return decode_mxfp4(*parts) if packed else to_f32(parts[0], dtype)
+
+
+@dataclass(frozen=True)
+class SourceValues:
+    """A source tensor's arrays as stored (BF16 / float, or a packed MXFP4 pair: codes, scales), copied out of its
+    shard: what a GPTQ job carries to its worker (2 B per BF16 weight, ~0.53 B packed, against 4 B as float32).
+    ``f32()`` decodes them as ``source_f32`` does."""
+
+    parts: tuple[np.ndarray, ...]
+    dtype: str
+    packed: bool
+
+    def f32(self) -> np.ndarray:
+        return _decoded(self.parts, self.dtype, self.packed)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def source_values(reader_of: Callable[[str], SafetensorsReader], t) -> SourceValues:
+    """``t``'s source arrays, checked as ``read_source`` checks them, copied (the shard's pages may go)."""
+    return SourceValues(tuple(np.array(p, copy=True) for p in read_source(reader_of, t)), t.dtype, bool(t.packed))
 
 
 def write_tensor(writer: ShardWriter, reader_of: Callable[[str], SafetensorsReader], t,
