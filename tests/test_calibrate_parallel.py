@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -171,6 +173,34 @@ def test_a_failing_job_stops_the_run_with_one_line_naming_its_tensor(runner):
             next(results)
     msg = str(e.value)
     assert "layers.0.bad" in msg and "\n" not in msg
+
+
+def _expert(name: str, w3: np.ndarray) -> calib_jobs.ExpertJob:
+    """A routed expert's job (R 64, I 32) with ``w3`` as its up projection, given 40 token rows."""
+    rng = np.random.default_rng(1)
+    w1, w2 = rng.standard_normal((32, 64)).astype(np.float32), rng.standard_normal((64, 32)).astype(np.float32)
+    jobs = tuple(replace(_job(f"{name}.{n}.weight", w), matmul=m, hessian=None)
+                 for n, m, w in (("w1", "gate", w1), ("w2", "down", w2), ("w3", "up", w3)))
+    rows = (rng.standard_normal((40, 64)).astype(np.float32),)
+    return calib_jobs.ExpertJob(name, jobs, rows, w1, w3, SimpleNamespace(hidden_act="silu"))
+
+
+@pytest.mark.parametrize("runner", [calib_jobs.SerialRunner, lambda: calib_jobs.ProcessRunner(2)],
+                         ids=["serial", "processes"])
+def test_an_expert_job_gives_a_result_per_linear_and_a_failing_one_names_its_tensor(runner):
+    good = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32)
+    bad = good.copy()
+    bad[7, 1] = np.nan
+    serial = list(calib_jobs.SerialRunner().run([_expert("experts.0", good)]))
+    with runner() as r:
+        results = r.run([_expert("experts.0", good), _expert("experts.1", bad), _job("layers.0.after", good)])
+        got = [next(results) for _ in range(3)]  # w1, w2, w3 of the good expert, in its order
+        assert all(a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a) for a, b in zip(got, serial))
+        assert [g["weight"].shape for g in got] == [(32, 64), (64, 32), (32, 64)]
+        with pytest.raises(BadCheckpoint) as e:
+            next(results)
+    msg = str(e.value)
+    assert "experts.1.w3.weight" in msg and "\n" not in msg
 
 
 # -- Ray ------------------------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ DEFAULT_SEQ_LEN = 512
 #: a routed expert that saw fewer tokens than this keeps the data-free rule: a Hessian from a handful
 #: of tokens has rank < K and GPTQ would fit those tokens instead of the expert's real inputs
 DEFAULT_MIN_EXPERT_TOKENS = 32
-#: routed experts whose Hessians are held at once (K3.1 Pro: 32 x (3584^2 + 3072^2) x 8 B = 5.7 GB)
+#: routed experts handed out as one stage of jobs (each forms its own Hessians where it runs): a stage keeps at most
+#: this many workers busy, and the driver holds at most this many experts' weights as stored (K3.1 Pro, released
+#: MXFP4: ~17 MB each; BF16: 66 MB) while they run
 DEFAULT_EXPERT_BATCH = 32
 #: fewer calibration tokens than this cannot calibrate anything: refused
 MIN_TOKENS = 64

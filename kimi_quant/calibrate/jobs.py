@@ -124,8 +124,15 @@ def run_expert_job(job: ExpertJob) -> list[dict[str, np.ndarray]]:
         if not any(len(r) for r in job.rows):
             raise ValueError("no token rows reach it")
         down = [j.matmul == "down" for j in job.jobs]
-        h_in, h_mid = job.hessians(gate_up=not all(down), down=any(down))
-        return [run_gptq_job(replace(j, hessian=h_mid if d else h_in)) for j, d in zip(job.jobs, down)]
+        out: list = [None] * len(down)
+        h_in, _ = job.hessians(gate_up=True, down=False) if not all(down) else (None, None)
+        for i in (i for i, d in enumerate(down) if not d):  # first: a bad w1 / w3 is named, not w2 it feeds
+            out[i] = run_gptq_job(replace(job.jobs[i], hessian=h_in))
+        if any(down):
+            _, h_mid = job.hessians(gate_up=False, down=True)
+            for i in (i for i, d in enumerate(down) if d):
+                out[i] = run_gptq_job(replace(job.jobs[i], hessian=h_mid))
+        return out
     finally:
         torch.set_num_threads(threads)
 

@@ -1,28 +1,34 @@
 """The calibrated conversion driver (``convert --calibrate``): layer by layer, journaled, resumable.
 
-Memory (``estimate.driver_bytes`` and ``estimate.worker_bytes`` count it; ``plan --calibrate`` prints both):
+Memory (``estimate.driver_bytes`` and ``estimate.job_bytes`` count it; ``plan --calibrate`` prints both):
 
-  driver   one layer's non-expert weights (fp32) + 2 routed experts (in use, read back)
+  driver   one layer's non-expert weights (fp32) + 2 routed experts (the output pass: in use, read back)
          + state: T x H x 4 B x (1 + blocks + 4)            x and the residual blocks, attention out, MLP in/out
          + forward transients: the residual mix's stack, MLA scores / KDA blocks / a dense MLP's outputs
-         + the Hessians of one stage (float64 up to FLOAT64_MAX_K, float32 above, summed in place and
-           handed to GPTQ without a copy): attention side, or the MLP's non-routed Linears + a batch of experts
-  a GPTQ job  the weight (fp32) + its Hessian + GPTQ's working set (one K x K float32 matrix above
-              FLOAT64_MAX_K, factored in place; ``gptq.working_set_bytes``)
-  + the jobs handed to GPTQ workers: about 2 per worker, each its weight and Hessian
+         + the Hessians of one stage formed here (float64 up to FLOAT64_MAX_K, float32 above, summed in place and
+           handed to GPTQ without a copy): the attention side, or the MLP's non-routed Linears
+         + the jobs handed out and not done (about 2 per worker, at most a stage's): their weights as stored in
+           the source (BF16, or packed MXFP4) and a routed expert's token rows
+  a job    a Linear: its weight (fp32) + its Hessian + GPTQ's working set (one K x K float32 matrix above
+           FLOAT64_MAX_K, factored in place; ``gptq.working_set_bytes``); a routed expert: its three weights, its
+           token rows, both its Hessians (formed there) and the working set of its largest Linear
 
-K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens, batches of 32 experts): the largest job, the layer-0
-dense down projection [7168, 33792], ~12.7 GB; the driver ~22 GB (docs/calibration.md). Full Hessians of
-the whole model could never be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB):
-Hessians live only while that layer is quantized.
+K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens): the largest job, the layer-0 dense down projection
+[7168, 33792], ~12.7 GB; the driver ~20 GB (docs/calibration.md). Full Hessians of the whole model could never
+be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB): a Hessian lives only while its
+Linear is quantized, and a routed expert's only in its job.
 
 GPTQ runs on a runner (``jobs``: this process, local worker processes; ``ray_jobs``: Ray tasks): all the
-Linears of a stage (attention side; the MLP's non-routed Linears with the first batch of experts; each further
-batch of experts) are handed out at once and written back in plan order as their results arrive. The forward
-and the Hessians run here, between the stages (no GPTQ job outstanding), on the cores the run was given
-(``forward_threads``: torch's intra-op threads; one thread while jobs run). Its products give the same bits on
-any number of threads, so the bytes do not depend on it either. With ``--device cuda|npu`` the forward, its
-states and the Hessians live on that device (``device.py``; ``--device cpu`` takes the same path).
+Linears of a stage (the attention side; the MLP's non-routed Linears with the first batch of ``expert_batch``
+routed experts; each further batch) are handed out at once and written back in plan order as their results
+arrive. A routed expert is one job (``routed.RoutedExpert``, ``jobs.ExpertJob``): the driver's forward gives it
+the token rows the router sends it (every token for ``--expert-tokens all``, or an under-routed expert holding
+MXFP4 values), and the job forms its Hessians and w2's input itself, with the driver's arithmetic, so that share
+of the forward runs on the workers, in parallel. The forward and the other Hessians run here, between the stages
+(no GPTQ job outstanding), on the cores the run was given (``forward_threads``: torch's intra-op threads; one
+thread while jobs run). Its products give the same bits on any number of threads, so the bytes do not depend on
+it either. With ``--device cuda|npu`` the forward, its states and the Hessians formed here live on that device
+(``device.py``; ``--device cpu`` takes the same path); a routed expert's job forms its Hessians on the CPU.
 
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;
