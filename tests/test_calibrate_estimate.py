@@ -219,7 +219,7 @@ def test_plan_counts_the_all_token_pass_of_under_routed_mxfp4_experts(tiny_a3, t
     assert none["under_routed_share"] == 0 and none["all_token_worst_s"] > 0
     # the flops added: that share of every such expert's job on every token's rows (its Hessians and w2's input);
     # the driver's forward and Hessians do none of it
-    jobs, *_ = est._jobs_and_hessians(est._linears(plan, spec), t, CalibConfig(tokens=256))
+    jobs, *_ = est._jobs_and_hessians(est._linears(plan, spec), t, CalibConfig(tokens=256), 32)
     extra = [est._expert_job_flops(j.members, 256) - j.flops for js in jobs.values() for j in js if j.expert]
     assert len(extra) == few["all_token_experts"] and min(extra) > 0
     assert few["job_gflop"] - none["job_gflop"] == pytest.approx(share * sum(extra) / 1e9)

@@ -21,6 +21,7 @@ from kimi_quant.calibrate import jobs as calib_jobs
 from kimi_quant.calibrate import run as calib_run
 from kimi_quant.convert import ConvertOptions, convert
 from kimi_quant.errors import BadCheckpoint
+from kimi_quant.model.spec import load_model_spec
 from kimi_quant.quant.gptq import GPTQConfig
 from kimi_quant.synth import synth
 from kimi_quant.verify import verify_output
@@ -36,9 +37,10 @@ def source(tmp_path_factory) -> Path:
     return synth("tiny", tmp_path_factory.mktemp("parsrc") / "tiny-bf16")
 
 
-def _convert(source, out, workers: int, executor: str = "local"):
+def _convert(source, out, workers: int, executor: str = "local", expert_batch: int | None = None):
+    cfg = CalibConfig(tokens=TOKENS, expert_batch=expert_batch)
     return convert(str(source), ConvertOptions(target="a3", output=Path(out), quiet=True, workers=workers,
-                                               executor=executor, calibrate=CalibConfig(tokens=TOKENS)))
+                                               executor=executor, calibrate=cfg))
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +66,23 @@ def test_two_local_workers_write_the_same_bytes(serial, source, tmp_path, monkey
 
     monkeypatch.setattr(calib_run, "make_runner", make_runner)
     monkeypatch.setattr(calib_run.torch, "set_num_threads", set_num_threads)
+    stages = []
+    real_run = calib_jobs.ProcessRunner.run
+    monkeypatch.setattr(calib_jobs.ProcessRunner, "run", lambda self, jobs: real_run(self, stages.append(1) or jobs))
     out = tmp_path / "two"
-    _convert(source, out, workers=2)
+    _convert(source, out, workers=2, expert_batch=3)  # the experts in stages of 3: more stages, the same bytes
     assert isinstance(made[0], calib_jobs.ProcessRunner) and made[0].workers == 2
     assert max(forward_threads) == min(2, os.cpu_count() or 1) and forward_threads[-1] == 1
     assert snapshot(out) == snapshot(serial)
     verify_output(out)
+    t = load_model_spec(source).text
+    assert len(stages) >= (t.num_hidden_layers - t.first_k_dense_replace) * -(-t.num_experts // 3)
+
+
+def test_experts_per_stage_follow_the_workers_and_leave_the_bytes_alone():
+    assert [CalibConfig().experts_per_stage(w) for w in (1, 2, 100, 1024)] == [32, 32, 100, 256]
+    assert CalibConfig(expert_batch=7).experts_per_stage(1024) == 7
+    assert CalibConfig(expert_batch=7).describe() == CalibConfig().describe()  # not in the fingerprint
 
 
 def test_forward_threads_are_the_cores_the_run_was_given():

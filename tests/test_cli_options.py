@@ -43,6 +43,7 @@ OPTIONS = {
     "--device": ("where GPTQ, the forward and the Hessians run", {"plan", "convert"}),
     "--min-expert-tokens": ("tokens a routed expert needs for GPTQ", {"plan", "convert"}),
     "--expert-tokens": ("the tokens a routed expert's Hessian sees", {"plan", "convert"}),
+    "--expert-batch": ("routed experts handed to the workers at once", {"plan", "convert"}),
     "--output": ("the directory written", {"convert", "synth", "demo"}),
     "--ray-address": ("Ray cluster address", {"convert"}),
     "--overwrite": ("replace an earlier kimi-quant output there", {"convert", "synth"}),

@@ -11,9 +11,11 @@ DEFAULT_SEQ_LEN = 512
 #: of tokens has rank < K and GPTQ would fit those tokens instead of the expert's real inputs
 DEFAULT_MIN_EXPERT_TOKENS = 32
 #: routed experts handed out as one stage of jobs (each forms its own Hessians where it runs): a stage keeps at most
-#: this many workers busy, and the driver holds at most this many experts' weights as stored (K3.1 Pro, released
-#: MXFP4: ~17 MB each; BF16: 66 MB) while they run
-DEFAULT_EXPERT_BATCH = 32
+#: that many workers busy, and the driver holds that many experts' jobs (their weights as stored, K3.1 Pro released
+#: MXFP4 ~17 MB each, BF16 66 MB, and results) while they run. By default as many as the run's workers, within
+#: these bounds: plan on K3.1 Pro, Ray x1024, says ~13.5 h at 32, ~3.0 h at 256 (driver 26 GB released, 39 GB BF16)
+MIN_EXPERT_BATCH = 32
+MAX_EXPERT_BATCH = 256
 #: fewer calibration tokens than this cannot calibrate anything: refused
 MIN_TOKENS = 64
 #: GPTQConfig's defaults, for --help without importing torch (tests/test_cli_options.py checks they agree)
@@ -31,7 +33,7 @@ class CalibConfig:
     ``tokens``: how many tokens of it; ``act_order`` / ``damp`` / ``device``: GPTQ settings (None:
     the GPTQ defaults); ``propagate``: the state carried to the next layer comes from the layer as
     quantized (``quantized``, GPTQ's sequential rule) or from the BF16 layer (``bf16``); ``expert_tokens``:
-    one of ``EXPERT_TOKENS``."""
+    one of ``EXPERT_TOKENS``; ``expert_batch``: routed experts per stage of jobs (None: :meth:`experts_per_stage`)."""
 
     calibration: str = DEFAULT_TEXT
     tokens: int = DEFAULT_TOKENS
@@ -40,7 +42,7 @@ class CalibConfig:
     damp: float | None = None
     device: str = "cpu"
     min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
-    expert_batch: int = DEFAULT_EXPERT_BATCH
+    expert_batch: int | None = None
     propagate: str = "quantized"
     expert_tokens: str = "routed"
 
@@ -54,3 +56,10 @@ class CalibConfig:
         if d["expert_tokens"] == "routed":
             d.pop("expert_tokens")
         return d
+
+    def experts_per_stage(self, workers: int) -> int:
+        """Routed experts handed out at once to ``workers`` workers: ``expert_batch`` if given, else one per
+        worker within [MIN_EXPERT_BATCH, MAX_EXPERT_BATCH]."""
+        if self.expert_batch:
+            return self.expert_batch
+        return min(MAX_EXPERT_BATCH, max(MIN_EXPERT_BATCH, int(workers)))

@@ -8,7 +8,7 @@ The run (calibrate/run.py) is one driver, layer by layer, and GPTQ jobs spread o
   MLP's non-routed Linears twice (observed, and the output from the bytes written), the routed experts once
   (the output), and it forms the Hessians of the non-routed Linears (``2 K^2`` per token per distinct input);
 * the GPTQ jobs of one stage (a layer's attention; its dense or non-routed MLP Linears with the first batch of
-  ``expert_batch`` routed experts; each further batch) run at once over the workers: the stage takes
+  ``CalibConfig.experts_per_stage`` routed experts; each further batch) run at once over the workers: the stage takes
   ``max(sum of its jobs / workers, its longest job)``; local workers are capped at this machine's
   cores, Ray workers are not. A routed expert is one job: it forms its Hessians from its token rows (k/E of
   the tokens on average, or with ``--expert-tokens all`` every token) and w2's input before its GPTQs
@@ -252,8 +252,8 @@ class Job(NamedTuple):
     source_bytes: int
 
 
-def _jobs_and_hessians(linears: list, t, cfg: CalibConfig):
-    """Per GPTQ stage (layer, stage, expert batch), as the run hands them out: its ``Job``s (a routed expert: all its Linears in one job,
+def _jobs_and_hessians(linears: list, t, cfg: CalibConfig, per_stage: int):
+    """Per GPTQ stage (layer, stage, batch of ``per_stage`` experts), as the run hands them out: its ``Job``s (a routed expert: all its Linears in one job,
     its Hessians formed there; the MLP's non-routed Linears go with the first batch of experts), and the stage's
     Hessian keys formed on the driver {key: K}; per layer the fp32 bytes of its non-expert weights; the bytes of one
     routed expert's weights."""
@@ -271,7 +271,7 @@ def _jobs_and_hessians(linears: list, t, cfg: CalibConfig):
         if tp.scheme == FLOAT:
             continue
         if stage == EXPERTS:
-            group = (layer, EXPERTS, expert // max(1, cfg.expert_batch))
+            group = (layer, EXPERTS, expert // per_stage)
             expert_jobs[group][expert].append((job_kind(tp), tp.matmul, N, K))
             expert_source[(layer, expert)] += tp.in_bytes
             continue
@@ -384,7 +384,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     fp32 = _rate(torch.float32)
     op_s, elem_s = _overheads()
     linears = _linears(plan, spec)
-    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, t, cfg)
+    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, t, cfg, cfg.experts_per_stage(gptq_workers))
     every = cfg.expert_tokens == "all"
     rows = _expert_rows(t, cfg) if E else 0.0
 

@@ -14,13 +14,13 @@ Memory (``estimate.driver_bytes`` and ``estimate.job_bytes`` count it; ``plan --
            token rows, both its Hessians (formed there) and the working set of its largest Linear
 
 K3.1 Pro (H 7168, R 3584, I 3072, k 16, 8192 tokens): the largest job, the layer-0 dense down projection
-[7168, 33792], ~12.7 GB; the driver ~20 GB (docs/calibration.md). Full Hessians of the whole model could never
+[7168, 33792], ~12.7 GB; the driver ~26 GB at 256 experts per stage (docs/calibration.md). Full Hessians of the whole model could never
 be held ((3584^2 + 3072^2) x 8 B x 896 experts x 93 layers alone is ~15 TB): a Hessian lives only while its
 Linear is quantized, and a routed expert's only in its job.
 
 GPTQ runs on a runner (``jobs``: this process, local worker processes; ``ray_jobs``: Ray tasks): all the
-Linears of a stage (the attention side; the MLP's non-routed Linears with the first batch of ``expert_batch``
-routed experts; each further batch) are handed out at once and written back in plan order as their results
+Linears of a stage (the attention side; the MLP's non-routed Linears with the first batch of routed experts,
+``CalibConfig.experts_per_stage``; each further batch) are handed out at once and written back in plan order as their results
 arrive. A routed expert is one job (``routed.RoutedExpert``, ``jobs.ExpertJob``): the driver's forward gives it
 the token rows the router sends it (every token for ``--expert-tokens all``, or an under-routed expert holding
 MXFP4 values), and the job forms its Hessians and w2's input itself, with the driver's arithmetic, so that share
@@ -400,10 +400,11 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
         # the routed experts themselves run here only for a BF16-propagated output (their jobs observe them)
         out_bf16 = fw.layers_mlp(tcfg, i, w, parts, experts=set() if propagate else None, routing=batches)
     experts = _routed_experts(tcfg, by_stage[EXPERTS], stage, Routing(batches), quant, cfg, w_src, rel)
-    # handed out expert_batch experts at a time: the driver holds the weights of at most that many jobs
+    # handed out a batch of experts at a time: the driver holds the weights of at most that many jobs
     order = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
-    for j in range(0, max(1, len(order)), cfg.expert_batch):
-        batch = set(order[j:j + cfg.expert_batch])
+    per_stage = cfg.experts_per_stage(quant.runner.workers)
+    for j in range(0, max(1, len(order)), per_stage):
+        batch = set(order[j:j + per_stage])
         emit((by_stage[MLP] if j == 0 else []) + [t for t in by_stage[EXPERTS] if stage[t.name][1] in batch],
              experts)
     if writer.next_tensor() is not None:

@@ -64,7 +64,7 @@ def _collector_paused():
 def convert(source, target, recipe, overrides, max_shard_size, revision, group_size, output, workers, executor,
             ray_address, overwrite, work_dir, max_disk, keep_source, do_validate, max_ppl_increase, push_to, hash_inputs,
             quiet, hub_revision=None, calibrate=False, calibration=None, calib_tokens=None, act_order=None, damp=None,
-            device="cpu", min_expert_tokens=None, expert_tokens=None):
+            device="cpu", min_expert_tokens=None, expert_tokens=None, expert_batch=None):
     """Convert SOURCE (a local directory or a hub repo id) for a device family.
 
     \b
@@ -132,7 +132,7 @@ def convert(source, target, recipe, overrides, max_shard_size, revision, group_s
                           overwrite=overwrite, quiet=quiet, revision=revision, source_options=source_options,
                           hash_inputs=hash_inputs, group_size=group_size,
                           calibrate=calib_config(calibrate, calibration, calib_tokens, act_order, damp, device,
-                                                  min_expert_tokens, expert_tokens))
+                                                  min_expert_tokens, expert_tokens, expert_batch))
     res = run_convert(source, opts)
     p = res.plan
     if not quiet:

@@ -85,7 +85,8 @@ def open_named_source(source, revision, work_dir=None):
 
 
 def calibration_options(f):
-    from ..calibrate.config import DEFAULT_MIN_EXPERT_TOKENS, DEFAULT_TEXT, DEFAULT_TOKENS, EXPERT_TOKENS, GPTQ_DEFAULTS
+    from ..calibrate.config import (DEFAULT_MIN_EXPERT_TOKENS, DEFAULT_TEXT, DEFAULT_TOKENS, EXPERT_TOKENS,
+                                    GPTQ_DEFAULTS, MAX_EXPERT_BATCH, MIN_EXPERT_BATCH)
 
     for deco in reversed([
         click.option("--calibrate", is_flag=True,
@@ -116,20 +117,25 @@ def calibration_options(f):
                      help="With --calibrate: the tokens a routed expert's Hessian sees: those routed to it, or all "
                           "of the layer's input tokens (the layer's output still follows the router) "
                           "[default: routed]."),
+        click.option("--expert-batch", type=click.IntRange(min=1), default=None, metavar="N",
+                     help=f"With --calibrate: routed experts handed to the workers at once; the driver holds their "
+                          f"weights and results meanwhile. Same bytes for any N [default: one per worker, "
+                          f"{MIN_EXPERT_BATCH} to {MAX_EXPERT_BATCH}]."),
     ]):
         f = deco(f)
     return f
 
 
 def calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
-                 expert_tokens=None, need_device: bool = True):
+                 expert_tokens=None, expert_batch=None, need_device: bool = True):
     """A CalibConfig for --calibrate (None without it; calibration options without it are refused).
     ``need_device``: --device must be one torch sees here (convert runs on it; plan only describes a run)."""
     from ..calibrate import CalibConfig
 
     given = [n for n, v in (("--calibration-data", calibration), ("--tokens", calib_tokens),
                             ("--act-order/--no-act-order", act_order), ("--damp", damp),
-                            ("--min-expert-tokens", min_expert_tokens), ("--expert-tokens", expert_tokens))
+                            ("--min-expert-tokens", min_expert_tokens), ("--expert-tokens", expert_tokens),
+                            ("--expert-batch", expert_batch))
              if v is not None]
     if device != "cpu":
         given.append("--device")
@@ -148,7 +154,7 @@ def calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, 
     return CalibConfig(calibration=calibration or base.calibration, tokens=calib_tokens or base.tokens,
                        act_order=act_order, damp=damp, device=device,
                        min_expert_tokens=min_expert_tokens or base.min_expert_tokens,
-                       expert_tokens=expert_tokens or base.expert_tokens)
+                       expert_tokens=expert_tokens or base.expert_tokens, expert_batch=expert_batch)
 
 
 def is_local_dir(source: str) -> bool:

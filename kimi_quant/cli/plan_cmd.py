@@ -43,7 +43,8 @@ from .params import (SIZE_UNITS, Size, calib_config, calibration_options, count_
 def plan(source, target, recipe, overrides, max_shard_size, revision, group_size, workers, executor, driver_cores,
          work_dir, max_disk,
          link_gbps, json_path, show_shards, verbose, remeasure, quiet=False, calibrate=False, calibration=None,
-         calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None, expert_tokens=None):
+         calib_tokens=None, act_order=None, damp=None, device="cpu", min_expert_tokens=None, expert_tokens=None,
+         expert_batch=None):
     """Size a conversion before running it, from headers only (no tensor data is read): output size,
     disk needed, peak memory and wall time for the given --workers/--executor, model_quant_type, and
     (-v) the scheme of every tensor group and the output shards.
@@ -64,7 +65,7 @@ def plan(source, target, recipe, overrides, max_shard_size, revision, group_size
     if calibrate:
         require_torch("plan --calibrate (it measures this machine's GPTQ and forward rates)")
     cal = calib_config(calibrate, calibration, calib_tokens, act_order, damp, device, min_expert_tokens,
-                       expert_tokens, need_device=False)
+                       expert_tokens, expert_batch, need_device=False)
     check_staging_options(source, revision, work_dir, max_disk, link_gbps=link_gbps)
     hub = not is_local_dir(source)
     src = open_named_source(source, revision, work_dir if hub else None)
