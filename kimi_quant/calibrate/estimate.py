@@ -62,20 +62,23 @@ SCORE_PASSES = 12
 KDA_PASSES = 40
 
 
-def _rate(dtype, n: int = 512) -> float:
-    """FLOP/s of one n^3 matmul on one thread (best of 3, in this thread's CPU time: robust when other work
-    time-shares the cores)."""
+def _rate(dtype, n: int = 512, seconds: float = 0.25) -> float:
+    """FLOP/s of one n^3 matmul on one thread: the best of as many as fit in ``seconds`` of this thread's CPU
+    time (at least 3). CPU time is robust when other work time-shares the cores; the span is not: one 512^3
+    product takes ~3 ms, and a core just out of idle ran the first few at a quarter of its speed (plan's
+    forward estimate then swung 4x between runs)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a = torch.randn(n, n, dtype=dtype)
-        best = float("inf")
-        for _ in range(3):
+        best, start, runs = float("inf"), time.thread_time(), 0
+        while runs < 3 or time.thread_time() - start < seconds:
             t = time.thread_time()
             a @ a
             best = min(best, time.thread_time() - t)
+            runs += 1
     finally:
         torch.set_num_threads(threads)
     return 2 * n ** 3 / best
