@@ -228,3 +228,35 @@ def test_plan_counts_the_all_token_pass_of_under_routed_mxfp4_experts(tiny_a3, t
     assert every["all_token_experts"] == 0  # --expert-tokens all already observes every expert on every token
     _, bf16_plan, bf16_spec = tiny_a3
     assert est.estimate(bf16_plan, bf16_spec, CalibConfig(tokens=256), workers=1)["all_token_experts"] == 0
+
+
+def test_the_forward_runs_in_passes_of_at_most_pass_tokens(tiny_a3, tmp_path, monkeypatch):
+    """More calibration tokens than PASS_TOKENS are more passes of the forward, not larger ones: the windows come
+    in batches of at most that many tokens (the same token ids, so the same digest), plan's forward transient
+    grows only by the MoE's latent input and output (the experts' jobs take their rows from all of it), and the
+    run converts."""
+    from kimi_quant.calibrate import config as calib_config
+    from kimi_quant.calibrate.run import calibration_windows
+    from kimi_quant.convert import ConvertOptions, convert
+    from kimi_quant.source import open_source
+    from kimi_quant.verify import verify_output
+
+    src_dir, plan, spec = tiny_a3
+    src = open_source(str(src_dir))
+    try:
+        one, info_one = calibration_windows(src, CalibConfig(tokens=2048))
+        monkeypatch.setattr(calib_config, "PASS_TOKENS", 1024)
+        two, info_two = calibration_windows(src, CalibConfig(tokens=2048))
+    finally:
+        src.close()
+    assert [tuple(b.shape) for b in one] == [(4, 512)] and [tuple(b.shape) for b in two] == [(2, 512), (2, 512)]
+    assert info_one == info_two  # the same windows and token digest
+    t = spec.text
+    small, large = (est.driver_bytes(spec, CalibConfig(tokens=n), 0, 0, 0) for n in (1024, 8192))
+    assert large["state"] == 8 * small["state"]
+    assert large["forward"] - small["forward"] <= 2 * (8192 - 1024) * (t.latent_size or t.hidden_size) * 4
+    out = tmp_path / "passes"
+    res = convert(str(src_dir), ConvertOptions(target="a3", output=out, quiet=True, workers=1,
+                                               calibrate=CalibConfig(tokens=2048)))
+    assert res.calibration["windows"] == 4 and res.calibration["stats"]["gptq_tensors"] > 0
+    verify_output(out)

@@ -16,6 +16,10 @@ DEFAULT_MIN_EXPERT_TOKENS = 32
 #: these bounds: plan on K3.1 Pro, Ray x1024, says ~13.5 h at 32, ~3.0 h at 256 (driver 26 GB released, 39 GB BF16)
 MIN_EXPERT_BATCH = 32
 MAX_EXPERT_BATCH = 256
+#: the driver's forward runs at most this many tokens (whole windows) in one pass: its transients (the residual
+#: mix's stacked blocks, the attention scores, a dense MLP's outputs) are bounded by that, not by --tokens; more
+#: tokens are more passes (the default --tokens is one)
+PASS_TOKENS = 8192
 #: fewer calibration tokens than this cannot calibrate anything: refused
 MIN_TOKENS = 64
 #: GPTQConfig's defaults, for --help without importing torch (tests/test_cli_options.py checks they agree)
@@ -63,3 +67,8 @@ class CalibConfig:
         if self.expert_batch:
             return self.expert_batch
         return min(MAX_EXPERT_BATCH, max(MIN_EXPERT_BATCH, int(workers)))
+
+
+def windows_per_pass(seq_len: int) -> int:
+    """Calibration windows of ``seq_len`` tokens the forward runs at once (``PASS_TOKENS``; at least one)."""
+    return max(1, PASS_TOKENS // max(1, seq_len))

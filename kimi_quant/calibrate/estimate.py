@@ -36,7 +36,7 @@ import numpy as np
 
 from ..plan import Plan
 from ..recipe.recipe import FLOAT
-from .config import CalibConfig
+from .config import CalibConfig, windows_per_pass
 from .hessian import hessian_bytes
 from .layered import EXPERTS, GLOBAL, MLP, stage_of
 
@@ -341,10 +341,11 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
     * weights: one layer's non-expert Linears (fp32) + two routed experts (the one in use and a read-back);
     * state: T tokens x H x 4 B: the carried x and the closed residual blocks (1 + blocks), the layer's
       attention output and MLP input, the observed MLP output and the layer's output (4 more);
-    * the largest transient of the forward (they come one after another): the residual mix's stacked
-      blocks (3 x (1 + blocks) x T x H x 4 B), MLA's score matrices (3 x windows x heads x seq^2 x 4 B),
-      KDA's per-token blocks (8 x T x heads x head_dim x 4 B), a dense MLP's gate/up/GLU outputs
-      (3 x T x I x 4 B) or the MoE's latent input and output;
+    * the largest transient of the forward (they come one after another), of one pass of P tokens (``P =
+      min(T, PASS_TOKENS)`` in whole windows): the residual mix's stacked blocks (3 x (1 + blocks) x P x H x 4 B),
+      MLA's score matrices (3 x windows of P x heads x seq^2 x 4 B), KDA's per-token blocks (8 x P x heads x
+      head_dim x 4 B), a dense MLP's gate/up/GLU outputs (3 x P x I x 4 B), or the MoE's latent input and
+      output (of all T tokens: the routed experts' jobs take their rows from it);
     * Hessians: the largest stage's sums formed here (attention; the MLP's non-routed Linears: a routed expert's
       are formed by its job) (``hessian_bytes`` each; float64 up to FLOAT64_MAX_K) plus one float64 hand-out copy,
       as GPTQ is fed one job at a time, plus the collector's float32 product and its float64 cast for the widest
@@ -355,14 +356,15 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
     T, H = cfg.tokens, t.hidden_size
     blocks = -(-t.num_hidden_layers // t.attn_res_block_size) if t.attn_res_block_size else 0
     act = T * H * 4
-    windows = max(1, T // cfg.seq_len)
+    windows = min(max(1, T // cfg.seq_len), windows_per_pass(cfg.seq_len))  # of one pass
+    P = min(T, windows * cfg.seq_len)
     mla = 3 * windows * t.num_attention_heads * cfg.seq_len ** 2 * 4
-    kda = 8 * T * t.kda_num_heads * t.kda_head_dim * 4 if t.kda_num_heads else 0
-    dense = 3 * T * (t.intermediate_size or 0) * 4
+    kda = 8 * P * t.kda_num_heads * t.kda_head_dim * 4 if t.kda_num_heads else 0
+    dense = 3 * P * (t.intermediate_size or 0) * 4
     parts = {"weights": layer_weights + 2 * expert_weights,
              "state": act * (1 + blocks + 4),
              # one at a time: the residual mix, then the attention, then the MLP (the MoE's latent in/out)
-             "forward": max(3 * (1 + blocks) * act, mla, kda, dense + 2 * T * (t.latent_size or H) * 4),
+             "forward": max(3 * (1 + blocks) * P * H * 4, mla, kda, dense + 2 * T * (t.latent_size or H) * 4),
              "hessians": stage_hessians,
              "jobs": in_flight,
              "base": DRIVER_BASE_BYTES}
@@ -444,7 +446,9 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     if kda_layers:
         d, C = t.kda_head_dim, 64
         attn_s_1 += kda_layers * T * t.kda_num_heads * (6 * d * (d + C) / fp32 + KDA_PASSES * (d + C) * elem_s)
-    ops = layers * 4 * OPS_PER_LAYER_PASS + (layers - t.first_k_dense_replace) * min(E, T * k) * OPS_PER_EXPERT
+    passes = -(-windows // windows_per_pass(cfg.seq_len))  # the forward's passes over the tokens (PASS_TOKENS)
+    ops = passes * (layers * 4 * OPS_PER_LAYER_PASS
+                    + (layers - t.first_k_dense_replace) * min(E, T * k // passes) * OPS_PER_EXPERT)
     fwd_s_1 = fwd_flops / fp32 + 2 * attn_s_1 + ops * op_s
     hess_s_1 = hess_flops / fp32
     forward_wall = (fwd_s_1 + hess_s_1) / threads

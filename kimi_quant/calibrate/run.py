@@ -64,7 +64,7 @@ from ..recipe.recipe import FLOAT
 from ..runtime import forward as fw
 from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
-from .config import MIN_TOKENS, CalibConfig
+from .config import MIN_TOKENS, CalibConfig, windows_per_pass
 from .device import DeviceWeights, full_float32, states_to, synchronize, torch_device
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
@@ -107,7 +107,9 @@ def calibration_windows(source, cfg: CalibConfig, quiet: bool = True) -> tuple[l
         if not (d / TIKTOKEN_FILE).is_file():
             raise KimiQuantError(f"{source.id}: no {TIKTOKEN_FILE}: --calibrate tokenizes the calibration text with "
                                  "the source's own tokenizer; add it to the source, or convert without --calibrate")
-        batches = token_windows(d, cfg.calibration, cfg.tokens, cfg.seq_len)
+        # in passes of at most PASS_TOKENS: the forward's transients do not grow with --tokens
+        batches = [c for b in token_windows(d, cfg.calibration, cfg.tokens, cfg.seq_len)
+                   for c in b.split(windows_per_pass(cfg.seq_len))]
     n = sum(b.numel() for b in batches)
     if n < MIN_TOKENS:
         raise KimiQuantError(f"calibration text {cfg.calibration} is too short: it gives {n} tokens, --calibrate "
