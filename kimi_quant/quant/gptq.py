@@ -52,7 +52,7 @@ from .gptq_refine import descend, objective
 
 
 DEVICES = ("cpu", "cuda", "npu")
-#: the clip ratios judged per row of an int4 per-channel grid (chosen on SmolLM2-135M: docs/calibration.md)
+#: the clip ratios judged per row of an int4 per-channel grid (chosen on SmolLM2-135M: docs/quality.md)
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 #: weights on the MXFP4 grid (with the power-of-two candidates): their rows' few largest values sit in the
 #: top 32-blocks, so deeper clips can pay (docs/quality.md); screened like the others, so a few O(N K m) scores
