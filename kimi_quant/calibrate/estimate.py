@@ -389,7 +389,8 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     fp32 = _rate(torch.float32)
     op_s, elem_s = _overheads()
     linears = _linears(plan, spec)
-    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, t, cfg, cfg.experts_per_stage(gptq_workers))
+    per_stage = cfg.experts_per_stage(workers)  # as the runner sets it
+    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, t, cfg, per_stage)
     every = cfg.expert_tokens == "all"
     rows = _expert_rows(t, cfg) if E else 0.0
 
@@ -479,7 +480,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
             "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
             "forward_gflop": fwd_flops / 1e9, "hessian_gflop": hess_flops / 1e9, "job_gflop": job_gflop,
-            "max_parallel_jobs": max((len(js) for js in jobs.values()), default=0),
+            "max_parallel_jobs": max((len(js) for js in jobs.values()), default=0), "experts_per_stage": per_stage,
             "expert_tokens": cfg.expert_tokens, "expert_tokens_mean": rows,
             "all_token_experts": len(on_all), "under_routed_share": under, "all_token_worst_s": all_token_worst_s,
             "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,

@@ -163,7 +163,7 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (layer by layer between the GPTQ stages, on the driver's "
             f"{e['driver_threads']} threads), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
             f"workers, at most {e['max_parallel_jobs']} at once; a routed expert is one job that forms its own "
-            f"Hessians); {cal.tokens} tokens" + _expert_tokens(e),
+            f"Hessians, --expert-batch {e['experts_per_stage']} of them per stage); {cal.tokens} tokens" + _expert_tokens(e),
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
             "GPTQ per routed-expert matrix " + ", ".join(f"{k} {v:.3g} s" for k, v in e["gptq_s_per_expert_matrix"].items())
             + f"; {fmt_duration(e['core_hours'] * 3600)} of one core in all",
