@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -194,9 +194,11 @@ def convert(source_spec: str, opts: ConvertOptions) -> ConvertResult:
                           calibrated=opts.calibrate is not None)
         will_write = [*map(output_name, files_to_copy(source)), "config.json", CARD]
         if opts.calibrate is not None:
-            from .calibrate.run import calibrated_plan, run_calibrated
+            from .calibrate.run import calibrated_plan, run_calibrated, workers_that_fit
 
             plan, windows = calibrated_plan(source, plan, opts.calibrate, quiet=opts.quiet)
+            # a run this machine cannot hold is refused (or given fewer default workers) before the output is touched
+            opts = replace(opts, workers=workers_that_fit(source, plan, opts.calibrate, opts.executor, opts.workers))
             journal = prepare_output(out_dir, plan, opts.overwrite, will_write, journal_options(plan, opts))
             _warn_loaders(plan)
             result = run_calibrated(source, plan, windows, out_dir, journal, opts, t0)

@@ -20,7 +20,7 @@ from kimi_quant.calibrate import CalibConfig
 from kimi_quant.calibrate import jobs as calib_jobs
 from kimi_quant.calibrate import run as calib_run
 from kimi_quant.convert import ConvertOptions, convert
-from kimi_quant.errors import BadCheckpoint
+from kimi_quant.errors import BadCheckpoint, KimiQuantError
 from kimi_quant.model.spec import load_model_spec
 from kimi_quant.quant.gptq import GPTQConfig
 from kimi_quant.synth import synth
@@ -249,3 +249,42 @@ def test_ray_failing_job_is_one_line(cluster):
         with pytest.raises(BadCheckpoint) as e:
             list(r.run([_job("layers.1.w2", bad)]))
     assert "layers.1.w2" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_run_this_machine_cannot_hold_is_refused_or_given_fewer_default_workers(serial, source, tmp_path,
+                                                                                 monkeypatch, caplog):
+    """Before the output is touched, plan's memory accounting against this machine's memory: the default
+    workers shrink to the most that fit (saying so, same bytes); explicit workers that do not fit, or a driver that
+    does not, are refused in one line and leave no output directory."""
+    from kimi_quant.calibrate import estimate as est
+    from kimi_quant.calibrate.estimate import memory
+    from kimi_quant.calibrate.run import calibrated_plan
+    from kimi_quant.convert import build_plan
+    from kimi_quant.executor import fork_server
+    from kimi_quant.source import open_source
+
+    src = open_source(str(source))
+    try:
+        plan, _ = calibrated_plan(src, build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True),
+                                  CalibConfig(tokens=TOKENS))
+    finally:
+        src.close()
+    spec = load_model_spec(source)
+    peak = {n: memory(plan, spec, CalibConfig(tokens=TOKENS), n)["peak"] for n in (1, 2, 3)}
+    assert peak[1] < peak[2] < peak[3]
+    monkeypatch.setattr(fork_server, "default_workers", lambda: 3)
+    monkeypatch.setattr(est, "machine_memory_bytes", lambda: (peak[2] + peak[3]) // 2)
+    made = []
+    real = calib_run.make_runner
+    monkeypatch.setattr(calib_run, "make_runner", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    with caplog.at_level(logging.WARNING):
+        _convert(source, tmp_path / "fit", workers=None)
+    assert made[-1].workers == 2 and "3 workers would need" in caplog.text and "using 2" in caplog.text
+    assert snapshot(tmp_path / "fit") == snapshot(serial)
+    for workers, have, says in ((3, (peak[2] + peak[3]) // 2, "use fewer --workers"),
+                                (None, peak[1] // 2, "fewer --tokens")):
+        monkeypatch.setattr(est, "machine_memory_bytes", lambda have=have: have)
+        out = tmp_path / f"refused-{workers}"
+        with pytest.raises(KimiQuantError, match=says) as e:
+            _convert(source, out, workers=workers)
+        assert "\n" not in str(e.value) and "of memory here" in str(e.value) and not out.exists()

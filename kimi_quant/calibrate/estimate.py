@@ -372,6 +372,53 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
     return parts
 
 
+def machine_memory_bytes() -> int:
+    """This machine's memory as this process may use it: the physical RAM, or a smaller cgroup limit."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit) as f:
+                total = min(total, int(f.read().split()[0]))
+        except (OSError, ValueError, IndexError):  # absent, or "max"
+            pass
+    return total
+
+
+def _memory(spec, cfg: CalibConfig, jobs: dict, hess: dict, nonexpert: dict, expert_w: int, rows: float,
+            gptq_workers: int, local_workers: int) -> dict:
+    """{driver: ``driver_bytes``, worker: the largest job's bytes, worker_shape: its largest Linear's [N, K], peak:
+    the driver with ``local_workers`` of a stage's largest jobs held beside it on this machine (every local worker
+    process holds its job, also when there are more processes than cores)}."""
+    from .jobs import JOBS_PER_WORKER
+
+    stage_h = 0
+    for keys in hess.values():
+        ks = list(keys.values())
+        copy = max((8 * K * K for K in ks if hessian_bytes(K) == 8 * K * K), default=0)
+        stage_h = max(stage_h, sum(hessian_bytes(K) for K in ks) + copy + copy // 8 * 12)
+    window = JOBS_PER_WORKER * gptq_workers
+    held = lambda j: j.source_bytes + (4 * rows * j.members[0][3] if j.expert else 0)  # noqa: E731 (+ its rows)
+    in_flight = max((sum(sorted((held(j) for j in js), reverse=True)[:window]) for js in jobs.values()), default=0)
+    driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h, int(in_flight))
+    size = lambda j: job_bytes(j.members, rows if j.expert else 0)  # noqa: E731
+    biggest = max((j for js in jobs.values() for j in js), key=size, default=None)
+    shape = max(biggest.members, key=lambda m: m[2] * m[3])[2:] if biggest else (0, 0)
+    beside = max((sum(sorted(map(size, js), reverse=True)[:local_workers]) for js in jobs.values()), default=0)
+    return {"driver": driver, "worker": size(biggest) if biggest else WORKER_BASE_BYTES, "worker_shape": list(shape),
+            "peak": driver["total"] + beside}
+
+
+def memory(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local") -> dict:
+    """``estimate``'s memory alone (no rate is measured: instant): the driver's bytes by part, the largest job's,
+    and the peak of this machine (local: the driver and its workers' largest jobs at once; Ray: the driver)."""
+    linears = _linears(plan, spec)
+    cores = os.cpu_count() or 1
+    gptq_workers = max(1, min(workers, cores) if executor == "local" else workers)
+    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, spec.text, cfg, cfg.experts_per_stage(workers))
+    rows = _expert_rows(spec.text, cfg) if spec.text.num_experts else 0.0
+    return _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows, gptq_workers, workers if executor == "local" else 0)
+
+
 def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local",
              driver_cores: int | None = None) -> dict:
     """{hours, wall_seconds, parts of the time, driver and worker memory, ...} of a calibrated conversion of
@@ -456,25 +503,10 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     startup = STARTUP_S.get(executor, STARTUP_S["local"])
     wall = startup + forward_wall + gptq_wall
 
-    stage_h = 0
-    for keys in hess.values():
-        ks = list(keys.values())
-        copy = max((8 * K * K for K in ks if hessian_bytes(K) == 8 * K * K), default=0)
-        stage_h = max(stage_h, sum(hessian_bytes(K) for K in ks) + copy + copy // 8 * 12)
-    from .jobs import JOBS_PER_WORKER
-
-    window = JOBS_PER_WORKER * gptq_workers
-    held = lambda j: j.source_bytes + (4 * rows * j.members[0][3] if j.expert else 0)  # noqa: E731 (+ its rows)
-    in_flight = max((sum(sorted((held(j) for j in js), reverse=True)[:window]) for js in jobs.values()), default=0)
-    driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h, int(in_flight))
-    biggest = max((j for js in jobs.values() for j in js), key=lambda j: job_bytes(j.members, rows if j.expert else 0),
-                  default=None)
-    worker = job_bytes(biggest.members, rows if biggest.expert else 0) if biggest else WORKER_BASE_BYTES
-    shape = max(biggest.members, key=lambda m: m[2] * m[3])[2:] if biggest else (0, 0)
-    local_workers = min(workers, cores) if executor == "local" else 0
-    local_peak = driver["total"] + max((sum(sorted((job_bytes(j.members, rows if j.expert else 0) for j in js),
-                                                   reverse=True)[:local_workers]) for js in jobs.values()), default=0)
+    mem = _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows, gptq_workers, workers if executor == "local" else 0)
+    driver = mem["driver"]
     return {"hours": wall / 3600, "wall_seconds": wall, "workers": workers, "executor": executor,
+            "driver_cores": driver_cores,
             "gptq_workers": gptq_workers, "driver_threads": threads, "startup_s": startup,
             "forward_s": fwd_s_1 / threads, "hessian_s": hess_s_1 / threads, "gptq_s": gptq_wall,
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
@@ -485,8 +517,8 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "all_token_experts": len(on_all), "under_routed_share": under, "all_token_worst_s": all_token_worst_s,
             "fp32_gflops": fp32 / 1e9, "op_us": op_s * 1e6, "gptq_s_per_expert_matrix": per_expert,
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
-            "worker_memory_bytes": worker, "worker_memory_tensor_shape": list(shape),
-            "memory_bytes": local_peak if executor == "local" else driver["total"],
+            "worker_memory_bytes": mem["worker"], "worker_memory_tensor_shape": mem["worker_shape"],
+            "memory_bytes": mem["peak"],
             "device": cfg.device, "rates_from": "cpu",
             "device_memory_bytes": 0 if cfg.device == "cpu" else
             sum(driver[k] for k in ("weights", "state", "forward", "hessians"))}

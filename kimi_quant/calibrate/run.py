@@ -151,6 +151,41 @@ def forward_threads(executor: str, workers: int | None) -> int:
     return max(1, min(int(workers or default_workers()), cores))
 
 
+def workers_that_fit(source, plan: Plan, cfg: CalibConfig, executor: str, workers: int | None) -> int | None:
+    """The workers of a calibrated run, checked before any work against this machine's memory by ``plan
+    --calibrate``'s own accounting (``estimate.memory``): hours into a run the OOM killer would say nothing. Local
+    and no ``--workers``: as many of one per core as fit, saying so if fewer; a run that cannot fit (the driver
+    and its workers' largest jobs; with Ray the driver) is refused in one line."""
+    from ..progress import fmt_size
+    from .estimate import machine_memory_bytes, memory
+
+    spec = load_model_spec_from_source(source, recipe_given=True)
+    local = executor == "local"
+    n = _local_workers(workers) if local else int(workers or 1)
+    have = machine_memory_bytes()
+    need = lambda k: memory(plan, spec, cfg, k, executor)  # noqa: E731
+    m = need(n)
+    if m["peak"] <= have:
+        return workers
+    if local and not workers:
+        fit, over = 0, n  # the most that fit (the peak grows with the workers: a bisection, a few seconds each)
+        while over - fit > 1:
+            mid = (fit + over) // 2
+            fit, over = (mid, over) if need(mid)["peak"] <= have else (fit, mid)
+        if fit:
+            log.warning("kimi-quant: note: %d workers would need ~%s of memory here, this machine has %s: using %d",
+                        n, fmt_size(m["peak"]), fmt_size(have), fit)
+            return fit
+        m, n = need(1), 1
+    beside = (f" and {n} GPTQ jobs of up to {fmt_size(m['worker'])} each" if n > 1 else
+              f" and its GPTQ jobs of up to {fmt_size(m['worker'])}") if local else ""
+    ways = (["fewer --workers"] if local and n > 1 else []) + ["fewer --tokens", "a smaller --expert-batch"] \
+        + (["--executor ray"] if local else []) + ["a larger machine"]
+    raise KimiQuantError(f"--calibrate needs ~{fmt_size(m['peak'])} of memory here (the driver "
+                         f"{fmt_size(m['driver']['total'])}{beside}), this machine has {fmt_size(have)}: use "
+                         f"{', '.join(ways[:-1])} or {ways[-1]} (`kimi-quant plan --calibrate` sizes a run)")
+
+
 def make_runner(executor: str, workers: int | None, options: dict | None = None):
     """The runner of ``convert --calibrate --executor E --workers N`` (local: one process per core by default;
     one worker runs in this process)."""
@@ -158,6 +193,12 @@ def make_runner(executor: str, workers: int | None, options: dict | None = None)
         from .ray_jobs import RayRunner  # optional extra: pip install kimi-quant[ray]
 
         return RayRunner(workers, **(options or {}))
+    n = _local_workers(workers)
+    return SerialRunner() if n <= 1 else ProcessRunner(n)
+
+
+def _local_workers(workers: int | None) -> int:
+    """``--workers`` of a local run (default one per core), refused past 8 per core."""
     from ..executor.fork_server import default_workers
 
     n = int(workers or default_workers())
@@ -165,7 +206,7 @@ def make_runner(executor: str, workers: int | None, options: dict | None = None)
     if n > most:  # each holds a GPTQ working set: a typo'd 100000 would exhaust the machine
         raise KimiQuantError(f"--workers {n} is more than {most} (8 per core on this machine): more processes "
                              "than that only cost memory; use fewer")
-    return SerialRunner() if n <= 1 else ProcessRunner(n)
+    return n
 
 
 class _Quantizer:

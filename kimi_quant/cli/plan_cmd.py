@@ -174,7 +174,19 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])}, jobs "
             f"handed out {fmt_size(d['jobs'])})"
             + (f", ~{fmt_size(e['memory_bytes'])} peak on this machine" if e["executor"] == "local" else "")
+            + _over_memory(e)
             + "; shards are cut at layer boundaries"] + _device_lines(e)
+
+
+def _over_memory(e: dict) -> str:
+    """A local run past this machine's memory: convert refuses it (or gives it fewer default workers) up front."""
+    from ..calibrate.estimate import machine_memory_bytes
+
+    have = machine_memory_bytes()
+    if e["executor"] != "local" or e["driver_cores"] or e["memory_bytes"] <= have:
+        return ""
+    return (f" (more than this machine's {fmt_size(have)}: convert refuses such a run, or runs fewer workers when "
+            "--workers is not given)")
 
 
 def _device_lines(e: dict) -> list[str]:
