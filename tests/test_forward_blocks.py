@@ -132,18 +132,20 @@ def test_mla_dense_vs_loop(cfg):
     import dataclasses
     c2 = dataclasses.replace(cfg, index_topk=None)
     w = {k: v for k, v in _rand_layer(cfg, 3).items() if "indexer" not in k}
-    x = torch.randn(1, 9, cfg.hidden_size)
-    assert torch.allclose(fw.mla_attention(c2, w, x), _mla_naive(c2, w, x), atol=1e-5)
+    x = torch.randn(1, 9, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(fw.mla_attention(c2, w, x), _mla_naive(c2, w, x), atol=5e-5)
 
 
 def test_mla_dsa_vs_loop(cfg):
     w = _rand_layer(cfg, 3, seed=1)
     T = 20  # > index_topk = 8
-    x = torch.randn(1, T, cfg.hidden_size)
+    # its own generator: the global one's state depends on the tests run before. The tolerance is float32
+    # summation order over O(1) outputs (60 seeded inputs: at most 1.8e-5 apart, one of them past the 1e-5 this had)
+    x = torch.randn(1, T, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     qr = fw.rmsnorm(x @ w["self_attn.q_a_proj.weight"].T, w["self_attn.q_a_layernorm.weight"], cfg.rms_norm_eps)
     keep = fw.topk_mask(fw.indexer_scores(cfg, w, x, qr), cfg.index_topk)
     got = fw.mla_attention(cfg, w, x)
-    assert torch.allclose(got, _mla_naive(cfg, w, x, keep), atol=1e-5)
+    assert torch.allclose(got, _mla_naive(cfg, w, x, keep), atol=5e-5)
     # the mask really removes something once T > topk
     import dataclasses
     dense = fw.mla_attention(dataclasses.replace(cfg, index_topk=None), w, x)
