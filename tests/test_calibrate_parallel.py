@@ -270,7 +270,8 @@ def test_a_run_this_machine_cannot_hold_is_refused_or_given_fewer_default_worker
     finally:
         src.close()
     spec = load_model_spec(source)
-    peak = {n: memory(plan, spec, CalibConfig(tokens=TOKENS), n)["peak"] for n in (1, 2, 3)}
+    need = memory(plan, spec, CalibConfig(tokens=TOKENS))
+    peak = {n: need(n)["peak"] for n in (1, 2, 3)}
     assert peak[1] < peak[2] < peak[3]
     monkeypatch.setattr(fork_server, "default_workers", lambda: 3)
     monkeypatch.setattr(est, "machine_memory_bytes", lambda: (peak[2] + peak[3]) // 2)

@@ -30,6 +30,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -408,15 +409,25 @@ def _memory(spec, cfg: CalibConfig, jobs: dict, hess: dict, nonexpert: dict, exp
             "peak": driver["total"] + beside}
 
 
-def memory(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local") -> dict:
-    """``estimate``'s memory alone (no rate is measured: instant): the driver's bytes by part, the largest job's,
-    and the peak of this machine (local: the driver and its workers' largest jobs at once; Ray: the driver)."""
+def _gptq_workers(workers: int, executor: str, cores: int) -> int:
+    """The workers that run GPTQ at once: local ones are capped at the cores, Ray's are not."""
+    return max(1, min(workers, cores) if executor == "local" else workers)
+
+
+def memory(plan: Plan, spec, cfg: CalibConfig, executor: str = "local") -> Callable[[int], dict]:
+    """``estimate``'s memory alone, as a function of the worker count (no rate is measured; the plan's Linears
+    are read once, so trying several counts is cheap): {driver: its bytes by part, worker: the largest job's,
+    worker_shape, peak: this machine's (local: the driver and its workers' largest jobs at once; Ray: the
+    driver)}."""
     linears = _linears(plan, spec)
-    cores = os.cpu_count() or 1
-    gptq_workers = max(1, min(workers, cores) if executor == "local" else workers)
-    jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, spec.text, cfg, cfg.experts_per_stage(workers))
     rows = _expert_rows(spec.text, cfg) if spec.text.num_experts else 0.0
-    return _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows, gptq_workers, workers if executor == "local" else 0)
+
+    def for_workers(workers: int) -> dict:
+        jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, spec.text, cfg, cfg.experts_per_stage(workers))
+        return _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows,
+                       _gptq_workers(workers, executor, os.cpu_count() or 1), workers if executor == "local" else 0)
+
+    return for_workers
 
 
 def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "local",
@@ -431,7 +442,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     T = cfg.tokens
     k, E = t.num_experts_per_token, t.num_experts
     cores = driver_cores or os.cpu_count() or 1
-    gptq_workers = max(1, min(workers, cores) if executor == "local" else workers)
+    gptq_workers = _gptq_workers(workers, executor, cores)
     threads = max(1, min(workers, cores))  # the driver's forward
     fp32 = _rate(torch.float32)
     op_s, elem_s = _overheads()
