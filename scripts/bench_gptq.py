@@ -19,7 +19,12 @@ fast kernel, as in ``convert --calibrate``); H is (1/n) X^T X of n synthetic inp
 (the cost does not depend on the values).  ``--phases`` also prints where the seconds of the new path go
 (CPU seconds per phase, each phase's own time: a phase called inside another is not counted twice).
 
+``--device cuda|npu`` instead compares GPTQ there (``GPTQConfig.device``: the factor, the candidates' GPTQ and the
+judge run on the device) with the one-thread CPU path, in wall seconds (the device's queue is drained before a
+clock is read), and says how close the device's codes come (a device rounds its sums differently: close, not equal).
+
     python scripts/bench_gptq.py [--n 3072 --k 3584 --schemes W4A8_DYNAMIC,W4A8_MXFP --before HEAD~1 --phases --repeat 3]
+    python scripts/bench_gptq.py --device cuda [--repeat 2]
 """
 
 from __future__ import annotations
@@ -101,9 +106,9 @@ def load_before(rev: str):
     return run
 
 
-def after(codec, w, matmul, H):
+def after(codec, w, matmul, H, device: str = "cpu"):
     gptq_factor._LAST_FACTOR.clear()  # each call pays its own factor (the kept one is for q/k/v sharing one H)
-    return gptq.gptq_quantize(codec, w, matmul, H)
+    return gptq.gptq_quantize(codec, w, matmul, H, gptq.GPTQConfig(device=device))
 
 
 #: (where, attribute, phase): the functions whose CPU seconds ``--phases`` charges to a phase (missing
@@ -184,6 +189,60 @@ def timed(fn):
     return out, time.process_time() - c, time.perf_counter() - t
 
 
+def problem(N: int, K: int):
+    """(w float32 [N, K] holding bfloat16 values, H float64 [K, K] with a few loud channels), seeded."""
+    rng = np.random.default_rng(0)
+    w = bf16_to_f32(f32_to_bf16((0.02 * rng.standard_normal((N, K))).astype(np.float32)))
+    x = rng.standard_normal((4096, K)).astype(np.float32)
+    x[:, rng.integers(0, K, 16)] *= 20
+    return w, (x.T.astype(np.float64) @ x) / x.shape[0]
+
+
+def compare_device(args, w, H) -> int:
+    """GPTQ on ``args.device`` against the one-thread CPU path: wall seconds of each (the fastest of
+    ``--repeat``), the speed-up, and how close the device's result is (rows with the CPU's values,
+    tr(dW H dW^T) device / CPU)."""
+    import torch
+
+    from kimi_quant.calibrate.device import synchronize, torch_device
+
+    dev = torch_device(args.device)
+    N, K = w.shape
+    a, b = torch.randn(N, K, device=dev), torch.randn(K, K, device=dev)
+    for name in args.schemes.split(","):  # compile / load every kernel and the device's libraries first
+        for d in ("cpu", args.device):
+            after(get_codec(name), w[:8, :256].copy(), ROLES[name], H[:256, :256].copy(), d)
+    (a @ b).sum().item()
+
+    def wall(fn):
+        synchronize(dev)
+        t = time.perf_counter()
+        out = fn()
+        synchronize(dev)
+        return out, time.perf_counter() - t
+
+    t_mm = min(wall(lambda: a @ b)[1] for _ in range(5))
+    print(f"matrix [{N}, {K}]; CPU path on one thread, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev}"
+          f"; its float32 [{N} x {K}] x [{K} x {K}] matmul {t_mm * 1e3:.2f} ms (TF32 "
+          f"{'on' if dev.type == 'cuda' and torch.backends.cuda.matmul.allow_tf32 else 'off'})")
+    print(f"{'scheme':<14}{'CPU s':>8}{'device s':>10}{'speed-up':>10}{'x matmul':>10}{'same rows':>11}"
+          f"{'err dev/CPU':>13}")
+    for name in args.schemes.split(","):
+        codec, mm = get_codec(name), ROLES[name]
+        best = {}
+        outs = {}
+        for _ in range(args.repeat):
+            for d in ("cpu", args.device):
+                outs[d], t = wall(lambda: after(codec, w, mm, H, d))
+                best[d] = min(t, best.get(d, t))
+        cpu, dv = codec.dequantize(outs["cpu"]), codec.dequantize(outs[args.device])
+        rows = np.mean([np.array_equal(p, q) for p, q in zip(cpu, dv)])
+        err = gptq_judge.weighted_error(w, dv, H).sum() / gptq_judge.weighted_error(w, cpu, H).sum()
+        print(f"{name:<14}{best['cpu']:>8.2f}{best[args.device]:>10.2f}{best['cpu'] / best[args.device]:>9.1f}x"
+              f"{best[args.device] / t_mm:>10.0f}{rows:>11.1%}{err:>13.6f}", flush=True)
+    return 0
+
+
 def main():
     import torch
 
@@ -195,14 +254,14 @@ def main():
     ap.add_argument("--phases", action="store_true", help="also print the new path's CPU seconds per phase")
     ap.add_argument("--repeat", type=int, default=1, help="runs per path, alternating; each reports its fastest "
                     "(GPTQ and matmul apart: on a shared machine the load moves between runs)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"),
+                    help="compare GPTQ on this device with the CPU path instead [cpu: the CPU path alone]")
     args = ap.parse_args()
     torch.set_num_threads(1)
     N, K = args.n, args.k
-    rng = np.random.default_rng(0)
-    w = bf16_to_f32(f32_to_bf16((0.02 * rng.standard_normal((N, K))).astype(np.float32)))
-    x = rng.standard_normal((4096, K)).astype(np.float32)
-    x[:, rng.integers(0, K, 16)] *= 20
-    H = (x.T.astype(np.float64) @ x) / x.shape[0]
+    w, H = problem(N, K)
+    if args.device != "cpu":
+        return compare_device(args, w, H)
     a, b = torch.randn(N, K), torch.randn(K, K)
     runs = [("after", after)] + ([(f"before {args.before}", load_before(args.before))] if args.before else [])
     for name in args.schemes.split(","):  # compile / load every kernel first
@@ -244,4 +303,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -147,7 +147,9 @@ def refused_calibrated_resume(source, out, made_with: tuple, resumed_with: tuple
 
 def small_moe(R: int, I: int, E: int, T: int):
     """A routed MoE layer for the forward's tests: (its config, its weights by relative name, two [1, T, R]
-    inputs); bf16-exact weights and inputs, 2 of E experts per token, seeded."""
+    inputs); bf16-exact weights and inputs, 2 of E experts per token, seeded. The router's logits are ~N(0, 1), as a
+    trained one's: unscaled ones (~N(0, R)) saturate the sigmoid to exactly 1.0 for several experts of a token, and
+    the top-k of such a tie is whatever the device's sort picks (CUDA and the CPU differ on 11 of 256 tokens)."""
     from types import SimpleNamespace
 
     import torch
@@ -156,7 +158,7 @@ def small_moe(R: int, I: int, E: int, T: int):
     cfg = SimpleNamespace(num_experts=E, num_experts_per_token=2, num_expert_group=1, topk_group=1,
                           moe_renormalize=True, routed_scaling_factor=2.5, routed_expert_hidden_size=0,
                           hidden_act="silu", num_shared_experts=0)
-    w = {"block_sparse_moe.gate.weight": torch.randn(E, R, generator=g),
+    w = {"block_sparse_moe.gate.weight": torch.randn(E, R, generator=g) / R ** 0.5,
          "block_sparse_moe.gate.e_score_correction_bias": torch.zeros(E)}
     for e in range(E):
         for n, shape in (("w1", (I, R)), ("w3", (I, R)), ("w2", (R, I))):

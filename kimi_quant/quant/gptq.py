@@ -49,6 +49,7 @@ from .gptq_clip import clip_ranked, clippable, grid_rows, mx_grid_on_h, pick_row
 from .gptq_factor import FLOAT64_MAX_K, Factor, hessian_factor
 from .gptq_judge import Judge, values_of
 from .gptq_refine import descend, objective
+from .numba_cache import warn_once
 
 
 DEVICES = ("cpu", "cuda", "npu")
@@ -213,8 +214,9 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
     rounding): the error of the result, without a product with H.
     On the CPU the inside of each block runs in a numba kernel (``gptq_kernels.gptq_block``, on the
     transposed matrix, tiled over rows: the same float32 operations as the torch loop, so the same
-    codes); ``kernel=False`` or another device runs the torch loop, the reference the tests compare
-    with.  The products between blocks are torch float32 matmuls."""
+    codes); on CUDA in ``gptq_cuda``'s kernel (a thread per row: the same operations, up to the device's fused
+    multiply-adds); ``kernel=False``, E4M3 grids or another device run the torch loop, the reference the tests
+    compare with.  The products between blocks are torch float32 matmuls."""
     import torch
 
     dev = Uinv.device
@@ -251,6 +253,8 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
                      np.broadcast_to(grid.scale, (N, K)), dtype=torch.float32, device=dev)
     if perm is not None:
         W, S = W[:, perm].contiguous(), S[:, perm].contiguous()
+    if kernel and dev.type == "cuda" and (blocks := _cuda_kernel(grid, B)) is not None:
+        return _gptq_run_cuda(blocks, W, S, U, grid, B, perm)
     consts = {"e2m1": torch.tensor(nm.E2M1_VALUES, dtype=torch.float32, device=dev)}
     codes = torch.empty((N, K), dtype=torch.int16, device=dev)
     sq = torch.zeros(N, dtype=torch.float64, device=dev)
@@ -269,6 +273,51 @@ def gptq_run(w: np.ndarray, Uinv, grid: Grid, cfg: GPTQConfig, perm=None, kernel
             sq += err.to(torch.float64) ** 2
         if i2 < K:
             W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    if perm is not None:
+        codes = codes[:, torch.argsort(perm)]
+    return codes.cpu().numpy(), sq.cpu().numpy()
+
+
+_CUDA_KERNEL: list = []  # [the gptq_cuda module, or None where it could not be loaded]: decided once per process
+
+
+def _cuda_kernel(grid: Grid, block: int):
+    """The CUDA block kernel (``gptq_cuda``) for ``grid``, or None: E4M3 grids, blocks above its
+    ``MAX_BLOCK``, or a numba without a working CUDA target, or one whose kernel disagrees with the CPU
+    kernel on a small block (``gptq_cuda.self_check``; one warning, and the torch loop runs instead)."""
+    if not _CUDA_KERNEL:
+        try:
+            from . import gptq_cuda
+
+            gptq_cuda.self_check()
+        except Exception as e:  # numba's CUDA target missing or broken: the reference loop still works
+            warn_once(f"GPTQ's CUDA kernel is not available ({type(e).__name__}: {str(e)[:200]}); "
+                      "the slower torch loop runs on the device instead")
+            gptq_cuda = None
+        _CUDA_KERNEL.append(gptq_cuda)
+    k = _CUDA_KERNEL[0]
+    return k if k is not None and grid.kind in ("int", "e2m1") and block <= k.MAX_BLOCK else None
+
+
+def _gptq_run_cuda(k, W, S, U, grid: Grid, B: int, perm):
+    """``gptq_run`` on CUDA with ``gptq_cuda``'s block kernel: W, S float32 [N, K] on the device (columns
+    already in ``perm`` order), transposed so that a block of columns is a block of rows."""
+    import torch
+
+    N, K = W.shape
+    WT, ST = W.T.contiguous(), S.T.contiguous()
+    del W, S
+    CT = torch.empty((K, N), dtype=torch.int16, device=WT.device)
+    ET = torch.empty((min(B, K), N), dtype=torch.float32, device=WT.device)
+    sq = torch.zeros(N, dtype=torch.float64, device=WT.device)
+    kind = _KINDS[grid.kind]
+    for i1 in range(0, K, B):
+        i2 = min(i1 + B, K)
+        E1 = ET[:i2 - i1]
+        k.run_block(WT[i1:i2], ST[i1:i2], U[i1:i2, i1:i2], kind, grid.qmin, grid.qmax, CT[i1:i2], E1, sq)
+        if i2 < K:  # W[:, later] -= E1 U[block, later], transposed
+            WT[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1)
+    codes = CT.T
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
     return codes.cpu().numpy(), sq.cpu().numpy()

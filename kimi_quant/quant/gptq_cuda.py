@@ -1,0 +1,149 @@
+"""The inside of one GPTQ lazy block on a CUDA device: ``gptq_kernels.gptq_block`` as a numba.cuda kernel.
+
+Why: the reference torch loop (``gptq.gptq_run`` with ``kernel=False``) launches ~15 kernels per column, so
+a [3072, 3584] matrix spends its time launching, not computing: measured on an H200, 1.8 s per GPTQ, as
+slow as one CPU thread running the numba kernel. Here one launch does a whole block: a thread owns one output
+row (GPTQ's rows are independent given the factor), keeps the row's block of weights in its local memory,
+and repeats the CPU kernel's float32 operations column by column (``TILE``-free: the GPU's threads are the
+tiles). The products between blocks stay torch matmuls.
+
+The results are the CPU kernel's up to rounding: the device compiler may fuse a multiply and an add
+(``w - e u``) into one rounding, so a code can differ where a value lies within an ulp of a rounding
+boundary (``tests/test_gptq_cuda.py`` runs the kernel in numba's CUDA simulator, where the arithmetic is
+numpy's, and compares it with the CPU kernel bit for bit). int and E2M1 grids only (the W4A8 schemes'); E4M3
+grids use the torch loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .numba_cache import numba_cache_dir
+from .numerics import E2M1_VALUES
+
+numba_cache_dir()  # numba's cache only in a private directory, checked before numba reads any of it
+
+from numba import cuda  # noqa: E402
+
+KIND_INT, KIND_E2M1 = 0, 1  # gptq_kernels.KIND_* (E4M3 stays on the torch loop)
+#: the most columns per block a thread keeps (``GPTQConfig.block_size`` above it uses the torch loop)
+MAX_BLOCK = 256
+#: threads per CUDA block
+THREADS = 128
+
+
+@cuda.jit(device=True)
+def _rint(y):
+    """Round half to even of a float32 (numpy's rint), from floor: exact below 2^23, and above it y is whole."""
+    f = np.float32(math.floor(y))
+    d = np.float32(y - f)
+    if d > np.float32(0.5) or (d == np.float32(0.5) and math.fmod(f, np.float32(2.0)) != np.float32(0.0)):
+        return np.float32(f + np.float32(1.0))
+    return f
+
+
+@cuda.jit(device=True)
+def _e2m1_code(y):
+    """The E2M1 magnitude code of y >= 0 (numerics.E2M1_THRESHOLDS: half to even)."""
+    m = 0
+    if y > np.float32(0.25):
+        m += 1
+    if y >= np.float32(0.75):
+        m += 1
+    if y > np.float32(1.25):
+        m += 1
+    if y >= np.float32(1.75):
+        m += 1
+    if y > np.float32(2.5):
+        m += 1
+    if y >= np.float32(3.5):
+        m += 1
+    if y > np.float32(5.0):
+        m += 1
+    return m
+
+
+@cuda.jit
+def gptq_block_cuda(WT, ST, U1, e2m1, kind, qmin, qmax, CT, ET, sq):
+    """GPTQ over one lazy block, one thread per output row n: WT float32 [B, N] the block's weights (read,
+    not written), ST float32 [B, N] their scales, U1 float32 [B, B] the block of U, e2m1 float32 [8] the
+    E2M1 magnitudes; writes codes CT int16 [B, N], errors ET float32 [B, N] and adds e^2 to sq float64 [N]
+    (see ``gptq_kernels.gptq_block``)."""
+    n = cuda.grid(1)
+    B = WT.shape[0]
+    if n >= WT.shape[1]:
+        return
+    w = cuda.local.array(MAX_BLOCK, np.float32)
+    for i in range(B):
+        w[i] = WT[i, n]
+    acc = sq[n]
+    for i in range(B):
+        x = w[i]
+        s = ST[i, n]
+        if kind == KIND_INT:  # y clipped to [qmin - 1, qmax + 1] first: the same code, and floor stays in range
+            c = min(max(_rint(min(max(np.float32(x / s), qmin - np.float32(1.0)), qmax + np.float32(1.0))), qmin), qmax)
+            code = np.int16(c)
+            v = np.float32(c * s)
+        else:
+            m = _e2m1_code(np.float32(abs(x) / s))
+            mag = e2m1[m]
+            neg = x < np.float32(0.0)
+            code = np.int16(m + (8 if neg and m > 0 else 0))
+            v = np.float32((-mag if neg else mag) * s)
+        e = np.float32(np.float32(x - v) / U1[i, i])
+        CT[i, n] = code
+        ET[i, n] = e
+        acc += np.float64(e) * np.float64(e)
+        for j in range(i + 1, B):
+            w[j] = np.float32(w[j] - np.float32(e * U1[i, j]))
+    sq[n] = acc
+
+
+_E2M1 = {}  # device -> the E2M1 magnitudes there
+
+
+def run_block(WT, ST, U1, kind: int, qmin: float, qmax: float, CT, ET, sq) -> None:
+    """Launch ``gptq_block_cuda`` on torch CUDA tensors, on torch's current stream (no synchronisation:
+    the torch work around it is queued on the same stream)."""
+    import torch
+
+    dev = WT.device
+    table = _E2M1.get(dev)
+    if table is None:
+        table = _E2M1[dev] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=dev)
+    handle = torch.cuda.current_stream(dev).cuda_stream
+    with cuda.gpus[dev.index or 0]:  # numba's context on the tensors' device (torch's primary context)
+        stream = cuda.external_stream(handle) if handle else cuda.default_stream()
+        arrays = [cuda.as_cuda_array(t, sync=False) for t in (WT, ST, U1, table, CT, ET, sq)]
+        WTa, STa, U1a, ta, CTa, ETa, sqa = arrays
+        N = WT.shape[1]
+        gptq_block_cuda[(N + THREADS - 1) // THREADS, THREADS, stream](
+            WTa, STa, U1a, ta, np.int64(kind), np.float32(qmin), np.float32(qmax), CTa, ETa, sqa)
+
+
+def self_check() -> None:
+    """Compile the kernel and run it on a small seeded block of each kind on the current CUDA device:
+    raises where more than a stray code differs from the CPU kernel's (``gptq_kernels.gptq_block``)."""
+    import torch
+
+    from .gptq_kernels import gptq_block
+
+    rng = np.random.default_rng(0)
+    B, N = 8, 40
+    A = rng.standard_normal((B, B)).astype(np.float32)
+    U1 = np.triu(A) + np.float32(4) * np.eye(B, dtype=np.float32)
+    W = rng.standard_normal((B, N)).astype(np.float32)
+    S = np.full((B, N), 0.3, np.float32)
+    for kind, (qmin, qmax) in ((KIND_INT, (-8.0, 7.0)), (KIND_E2M1, (0.0, 0.0))):
+        want = np.empty((B, N), np.int16)
+        gptq_block(W.copy(), S, U1, kind, np.float32(qmin), np.float32(qmax), want, np.empty((B, N), np.float32),
+                   np.zeros(N))
+        t = {k: torch.from_numpy(v).cuda() for k, v in (("W", W), ("S", S), ("U", U1))}
+        got = torch.empty((B, N), dtype=torch.int16, device="cuda")
+        run_block(t["W"], t["S"], t["U"], kind, qmin, qmax, got, torch.empty((B, N), device="cuda"),
+                  torch.zeros(N, dtype=torch.float64, device="cuda"))
+        differ = float(np.mean(got.cpu().numpy() != want))
+        if differ > 0.02:  # a fused multiply-add may move a code that sits on a rounding boundary, not more
+            raise RuntimeError(f"{differ:.0%} of its codes differ from the CPU kernel's on a test block (kind {kind})")
