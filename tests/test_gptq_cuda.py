@@ -88,3 +88,33 @@ def test_the_cuda_kernel_agrees_with_the_torch_loop(codec_name):
     c0, s0 = gptq_run(w, f.U, grid, cfg, f.perm, kernel=False)
     assert np.mean(c1 != c0) < 1e-3
     np.testing.assert_allclose(s1.sum(), s0.sum(), rtol=1e-4)
+
+
+class _CpuBlocks:
+    """A stand-in for ``gptq_cuda`` on CPU tensors: its ``run_block`` is the CPU kernel on a copy of the block
+    (the CUDA kernel does not write WT), so ``_gptq_run_cuda``'s own work (the transposes, the products between
+    blocks, the permutation) can be checked here against the CPU path."""
+
+    MAX_BLOCK = 256
+
+    @staticmethod
+    def run_block(WT, ST, U1, kind, qmin, qmax, CT, ET, sq):
+        from kimi_quant.quant.gptq_kernels import gptq_block
+
+        gptq_block(WT.numpy().copy(), ST.numpy(), U1.contiguous().numpy(), kind, np.float32(qmin), np.float32(qmax),
+                   CT.numpy(), ET.numpy(), sq.numpy())
+
+
+def test_the_cuda_path_around_the_kernel_repeats_the_cpu_path():
+    """The self-check that gates the CUDA kernel, run with the CPU kernel in its place: no code may differ."""
+    from kimi_quant.quant.gptq import cuda_self_check
+
+    assert cuda_self_check(_CpuBlocks, device="cpu") == 0.0
+    # and it does catch a kernel that is wrong
+    class Off(_CpuBlocks):
+        @staticmethod
+        def run_block(WT, ST, U1, kind, qmin, qmax, CT, ET, sq):
+            _CpuBlocks.run_block(WT * 1.5, ST, U1, kind, qmin, qmax, CT, ET, sq)
+
+    with pytest.raises(RuntimeError, match="codes differ from the CPU kernel's"):
+        cuda_self_check(Off, device="cpu")

@@ -284,12 +284,12 @@ _CUDA_KERNEL: list = []  # [the gptq_cuda module, or None where it could not be 
 def _cuda_kernel(grid: Grid, block: int):
     """The CUDA block kernel (``gptq_cuda``) for ``grid``, or None: E4M3 grids, blocks above its
     ``MAX_BLOCK``, or a numba without a working CUDA target, or one whose kernel disagrees with the CPU
-    kernel on a small block (``gptq_cuda.self_check``; one warning, and the torch loop runs instead)."""
+    kernel on a small problem (``cuda_self_check``; one warning, and the torch loop runs instead)."""
     if not _CUDA_KERNEL:
         try:
             from . import gptq_cuda
 
-            gptq_cuda.self_check()
+            cuda_self_check(gptq_cuda)
         except Exception as e:  # numba's CUDA target missing or broken: the reference loop still works
             warn_once(f"GPTQ's CUDA kernel is not available ({type(e).__name__}: {str(e)[:200]}); "
                       "the slower torch loop runs on the device instead")
@@ -306,7 +306,6 @@ def _gptq_run_cuda(k, W, S, U, grid: Grid, B: int, perm):
 
     N, K = W.shape
     WT, ST = W.T.contiguous(), S.T.contiguous()
-    del W, S
     CT = torch.empty((K, N), dtype=torch.int16, device=WT.device)
     ET = torch.empty((min(B, K), N), dtype=torch.float32, device=WT.device)
     sq = torch.zeros(N, dtype=torch.float64, device=WT.device)
@@ -321,6 +320,34 @@ def _gptq_run_cuda(k, W, S, U, grid: Grid, B: int, perm):
     if perm is not None:
         codes = codes[:, torch.argsort(perm)]
     return codes.cpu().numpy(), sq.cpu().numpy()
+
+
+def cuda_self_check(k, device: str = "cuda") -> float:
+    """Run ``_gptq_run_cuda`` with kernel module ``k`` on a small seeded problem (three blocks, permuted
+    columns, both W4A8 grid kinds) on ``device`` against the CPU kernel path: raises where more than a stray
+    code differs (a fused multiply-add may move a code that sits on a rounding boundary, not more); returns
+    the largest fraction of codes that differed."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    N, K, B = 40, 24, 8
+    A = rng.standard_normal((K, K))
+    U = torch.from_numpy(np.triu(0.2 * A + 3 * np.eye(K)).astype(np.float32))
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    perm = torch.from_numpy(rng.permutation(K))
+    cfg = GPTQConfig(block_size=B)
+    worst = 0.0
+    for grid in (Grid(np.full((N, 1), 0.3, np.float32), K, "int", -8, 7),
+                 Grid(np.full((N, K // 8), 0.5, np.float32), 8, "e2m1")):
+        want = gptq_run(w, U, grid, cfg, perm)[0]
+        W = torch.from_numpy(w)[:, perm].contiguous().to(device)
+        S = torch.from_numpy(np.repeat(grid.scale, grid.group, axis=1))[:, perm].contiguous().to(device)
+        got = _gptq_run_cuda(k, W, S, U.to(device), grid, B, perm.to(device))[0]
+        differ = float(np.mean(got != want))
+        if differ > 0.02:
+            raise RuntimeError(f"{differ:.0%} of its codes differ from the CPU kernel's on a test problem ({grid.kind})")
+        worst = max(worst, differ)
+    return worst
 
 
 def gptq_quantize(codec, w: np.ndarray, matmul, hessian: np.ndarray, cfg: GPTQConfig | None = None):
