@@ -16,8 +16,8 @@ Entry point: ``gptq_quantize(codec, w, matmul, H, GPTQConfig(...))`` (the GPTQ m
 never the reverse).  This module holds ``GPTQConfig``, the shared algorithm (``gptq_run``) and the
 per-row choice; the rest is one module per job: ``gptq_factor`` (H prepared, permuted and inverted),
 ``gptq_judge`` (the input-weighted error of a candidate, and the choice among candidates),
-``gptq_clip`` (the candidate grids: clip ratios, powers of two, MX exponents judged on H) and
-``gptq_kernels`` (the numba kernels).  Every codec supplies:
+``gptq_clip`` (the candidate grids: clip ratios, powers of two, MX exponents judged on H),
+``gptq_kernels`` (the numba kernels) and ``gptq_cuda`` (the block kernel on a CUDA device).  Every codec supplies:
 
 * ``gptq_grids(w, matmul, data_free)``: one or more candidate grids (``base.Grid``: scales + element
   kind); each is run through GPTQ and every row keeps the candidate with the smallest input-weighted error;
