@@ -251,6 +251,55 @@ def test_ray_failing_job_is_one_line(cluster):
     assert "layers.1.w2" in str(e.value) and "\n" not in str(e.value)
 
 
+def _running(title: str) -> list[int]:
+    """PIDs of the processes whose title (Ray sets it to ``ray::<task>`` while one runs) starts with ``title``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().startswith(title.encode()):
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_ray_lost_task_is_redone_to_the_same_bytes_and_said(cluster, caplog):
+    """A Ray worker killed while it runs a GPTQ task (as a node that dies would lose it): the driver submits the
+    task again, says so in one warning, and the results are those of an undisturbed run."""
+    import threading
+    import time
+
+    from kimi_quant.calibrate.ray_jobs import RayRunner
+
+    rng = np.random.default_rng(0)
+    jobs = [_job(f"layers.1.experts.{e}.w1", rng.standard_normal((1024, 2048)).astype(np.float32)) for e in range(3)]
+    with RayRunner(2) as r:
+        want = list(r.run(jobs))
+    killed, stop = [], threading.Event()
+
+    def kill_the_first_task():
+        while not stop.is_set():
+            for pid in _running("ray::_gptq_task"):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=kill_the_first_task)
+    watcher.start()
+    try:
+        with caplog.at_level(logging.WARNING), RayRunner(2) as r:
+            got = list(r.run(jobs))
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(killed) == 1
+    said = [m.getMessage() for m in caplog.records if "was lost" in m.getMessage()]
+    assert len(said) == 1 and "layers.1.experts." in said[0] and "redoing it (attempt 2 of 4)" in said[0], said
+    assert len(got) == len(want) == 3
+    assert all(a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a) for a, b in zip(want, got))
+
+
 def test_a_run_this_machine_cannot_hold_is_refused_or_given_fewer_default_workers(serial, source, tmp_path,
                                                                                  monkeypatch, caplog):
     """Before the output is touched, plan's memory accounting against this machine's memory: the default

@@ -19,7 +19,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 SIMULATED = textwrap.dedent("""
+    import sys
     import numpy as np
+    try:
+        from numba import cuda  # noqa: F401
+    except ImportError:  # a numba without its CUDA target (numba-cuda not installed)
+        print("no numba.cuda")
+        sys.exit(0)
     from kimi_quant.quant import gptq_cuda as gc
     from kimi_quant.quant.gptq_kernels import gptq_block
     from kimi_quant.quant.numerics import E2M1_VALUES
@@ -61,6 +67,8 @@ SIMULATED = textwrap.dedent("""
 def test_the_kernel_in_the_simulator_repeats_the_cpu_kernel_bit_for_bit():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, "-c", SIMULATED], capture_output=True, text=True, env=env, timeout=600)
+    if r.stdout.strip() == "no numba.cuda":
+        pytest.skip("this numba has no CUDA target (nor its simulator)")
     assert r.returncode == 0 and r.stdout.strip() == "same", r.stderr[-3000:]
 
 

@@ -3,12 +3,14 @@
 Unlike the data-free path's tasks, these carry their data: the weight and the Hessian (a routed expert: its
 weights and token rows) go through Ray's object store (Linears sharing a Hessian are one task: it is sent and
 factored once), so workers need no shared filesystem.
-A task whose worker or node dies is retried by Ray (``MAX_RETRIES``); a task that raises is deterministic
-and stops the run with one line naming the tensor.
+A task whose worker or node dies (or whose arguments were lost with a node) is submitted again by the driver,
+with one warning naming its tensors, up to ``MAX_RETRIES`` times (the same job gives the same bytes wherever it
+runs); a task that raises is deterministic and stops the run with one line naming the tensor.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -22,8 +24,11 @@ from .jobs import JOBS_PER_WORKER, ExpertJob, Job, SubmitWindow, job_failure, ru
 
 import ray  # noqa: E402 - after ray_executor, which turns a missing Ray into one line
 
+log = logging.getLogger(__name__)
 
-@ray.remote(num_cpus=1, max_retries=MAX_RETRIES)
+
+# retried by the driver (RayRunner.run), which says so; Ray's own retries would be silent
+@ray.remote(num_cpus=1, max_retries=0)
 def _gptq_task(jobs: list[Job], weights: list[np.ndarray], hessian: np.ndarray | None, version: str) -> list[dict]:
     """Jobs sharing ``hessian`` (their arrays sent beside them), or one ExpertJob (``weights`` empty: it carries
     its own rows and weights)."""
@@ -56,6 +61,7 @@ class RayRunner:
 
         window = SubmitWindow(jobs, submit, JOBS_PER_WORKER * self.workers)
         pending = window.pending  # [group, object ref]
+        attempts: dict[int, int] = {}  # id(group) -> attempts made, for the groups that were lost once
         try:
             window.fill()
             while pending:
@@ -68,8 +74,16 @@ class RayRunner:
                     raise job_failure(job, cause) from cause
                 except SYSTEM_ERRORS as e:
                     names = " / ".join(j.name for j in group)
-                    raise KimiQuantError(f"GPTQ of {names} failed after {MAX_RETRIES + 1} attempts: "
-                                         f"{type(e).__name__}: {one_line(e)}") from e
+                    tried = attempts.get(id(group), 1)
+                    if tried > MAX_RETRIES:
+                        raise KimiQuantError(f"GPTQ of {names} failed after {tried} attempts: "
+                                             f"{type(e).__name__}: {one_line(e)}") from e
+                    attempts[id(group)] = tried + 1
+                    log.warning("kimi-quant: warning: the Ray task running GPTQ of %s was lost (%s: %s); "
+                                "redoing it (attempt %d of %d)", names, type(e).__name__, one_line(e), tried + 1,
+                                MAX_RETRIES + 1)
+                    pending[0][1] = submit(group)
+                    continue
                 pending.popleft()
                 window.fill()
                 yield from outs
