@@ -37,29 +37,31 @@ SIMULATED = textwrap.dedent("""
     assert np.array_equal(got, np.rint(ys)), (got, np.rint(ys))
 
     rng = np.random.default_rng(1)
-    B, N = 24, 150  # N not a multiple of the threads per CUDA block: the last threads have no row
-    A = rng.standard_normal((B, B)).astype(np.float32)
-    U1 = np.triu(A) * np.float32(0.3) + np.float32(2.0) * np.eye(B, dtype=np.float32)
-    S = rng.uniform(0.05, 0.3, (B, N)).astype(np.float32)
-    W = rng.standard_normal((B, N)).astype(np.float32)
-    W[0, :40] = S[0, :40] * (np.arange(40, dtype=np.float32) % 9 - 4 + np.float32(0.5))  # exact ties, first column
-    for kind, qmin, qmax, scale in ((gc.KIND_INT, -8.0, 7.0, 1.0), (gc.KIND_E2M1, 0.0, 0.0, 0.5)):
-        outs = []
-        for cuda in (False, True):
-            CT = np.zeros((B, N), np.int16)
-            ET = np.zeros((B, N), np.float32)
-            sq = np.full(N, 0.25)
-            Wk = W * np.float32(scale)
-            if cuda:
-                gc.gptq_block_cuda[(N + gc.THREADS - 1) // gc.THREADS, gc.THREADS](
-                    Wk, S, U1, E2M1_VALUES, np.int64(kind), np.float32(qmin), np.float32(qmax), CT, ET, sq)
-            else:
-                gptq_block(Wk.copy(), S, U1, kind, np.float32(qmin), np.float32(qmax), CT, ET, sq)
-            outs.append((CT, ET, sq))
-        (c0, e0, s0), (c1, e1, s1) = outs
-        assert len(np.unique(c0)) > 5, np.unique(c0)
-        assert np.array_equal(c0, c1) and np.array_equal(e0.view(np.uint32), e1.view(np.uint32))
-        assert np.array_equal(s0, s1)
+    # a small block, and the default block size (128 columns: the thread's local array holds them all); N not a
+    # multiple of the threads per CUDA block, so the last threads have no row
+    for B, N in ((24, 150), (128, 130)):
+        A = rng.standard_normal((B, B)).astype(np.float32)
+        U1 = np.triu(A) * np.float32(3.0 / B) + np.float32(2.0) * np.eye(B, dtype=np.float32)
+        S = rng.uniform(0.05, 0.3, (B, N)).astype(np.float32)
+        W = rng.standard_normal((B, N)).astype(np.float32)
+        W[0, :40] = S[0, :40] * (np.arange(40, dtype=np.float32) % 9 - 4 + np.float32(0.5))  # exact ties, column 0
+        for kind, qmin, qmax, scale in ((gc.KIND_INT, -8.0, 7.0, 1.0), (gc.KIND_E2M1, 0.0, 0.0, 0.5)):
+            outs = []
+            for cuda in (False, True):
+                CT = np.zeros((B, N), np.int16)
+                ET = np.zeros((B, N), np.float32)
+                sq = np.full(N, 0.25)
+                Wk = W * np.float32(scale)
+                if cuda:
+                    gc.gptq_block_cuda[(N + gc.THREADS - 1) // gc.THREADS, gc.THREADS](
+                        Wk, S, U1, E2M1_VALUES, np.int64(kind), np.float32(qmin), np.float32(qmax), CT, ET, sq)
+                else:
+                    gptq_block(Wk.copy(), S, U1, kind, np.float32(qmin), np.float32(qmax), CT, ET, sq)
+                outs.append((CT, ET, sq))
+            (c0, e0, s0), (c1, e1, s1) = outs
+            assert len(np.unique(c0)) > 5, np.unique(c0)
+            assert np.array_equal(c0, c1) and np.array_equal(e0.view(np.uint32), e1.view(np.uint32)), (B, kind)
+            assert np.array_equal(s0, s1)
     print("same")
 """)
 
