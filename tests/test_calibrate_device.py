@@ -169,7 +169,8 @@ def test_plan_for_a_device_says_its_times_are_cpu_estimates(source, tmp_path):
     e = json.loads(out.read_text())["totals"]["calibrate"]
     assert e["device"] == "cuda" and e["rates_from"] == "cpu"
     d = e["driver_memory"]
-    assert e["device_memory_bytes"] == d["weights"] + d["state"] + d["forward"] + d["hessians"] > 0
+    own = d["weights"] + d["state"] + d["forward"] + d["hessians"]
+    assert e["device_memory_bytes"] > own > 0  # and the local workers' jobs, a context each
     r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "plan", str(source), "-t", "a3", "--calibrate",
                         "--tokens", "512"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and "CPU estimates" not in r.stdout
@@ -226,3 +227,40 @@ def test_calibrate_on_cuda_is_close_to_the_cpu_run(source, tmp_path):
         assert wa.keys() == wb.keys()
         same = [float((wa[k] == wb[k]).float().mean()) for k in wa if wa[k].dim() == 2]
     assert np.mean(same) > 0.9, same
+
+
+def test_a_run_the_device_cannot_hold_is_refused_or_given_fewer_default_workers(source, monkeypatch, caplog):
+    """--device cuda: convert's memory check also holds the run's device memory (the driver's forward and Hessians,
+    each local worker's GPTQ job and context) against the device's free memory: default workers shrink to the most
+    that fit, saying so; explicit ones that do not fit, or a driver that does not, are refused in one line."""
+    import logging
+
+    from kimi_quant.calibrate import estimate as est
+    from kimi_quant.calibrate.run import calibrated_plan, workers_that_fit
+    from kimi_quant.convert import build_plan
+    from kimi_quant.errors import KimiQuantError
+    from kimi_quant.executor import fork_server
+    from kimi_quant.model.spec import load_model_spec
+    from kimi_quant.source import open_source
+
+    cfg = CalibConfig(tokens=TOKENS, device="cuda")
+    src = open_source(str(source))
+    try:
+        plan, _ = calibrated_plan(src, build_plan(src, "a3", None, (), 4 * 1024**3, 0, calibrated=True), cfg)
+        need = est.memory(plan, load_model_spec(source), cfg)
+        dev = {n: need(n)["device"] for n in (1, 2, 3)}
+        assert dev[1] < dev[2] < dev[3] and need(1)["device_driver"] < dev[1]
+        assert est.memory(plan, load_model_spec(source), CalibConfig(tokens=TOKENS))(2)["device"] == 0
+        monkeypatch.setattr(fork_server, "default_workers", lambda: 3)
+        monkeypatch.setattr(est, "machine_memory_bytes", lambda: 1 << 50)
+        monkeypatch.setattr(cdev, "free_bytes", lambda name: (dev[2] + dev[3]) // 2)
+        with caplog.at_level(logging.WARNING):
+            assert workers_that_fit(src, plan, cfg, "local", None) == 2
+        assert "3 workers would need" in caplog.text and "of cuda memory" in caplog.text and "using 2" in caplog.text
+        for workers, free, says in ((3, (dev[2] + dev[3]) // 2, "fewer --workers"), (None, dev[1] // 2, "--device cpu")):
+            monkeypatch.setattr(cdev, "free_bytes", lambda name, free=free: free)
+            with pytest.raises(KimiQuantError, match=says) as e:
+                workers_that_fit(src, plan, cfg, "local", workers)
+            assert "\n" not in str(e.value) and "of cuda memory, the device has" in str(e.value)
+    finally:
+        src.close()

@@ -21,7 +21,7 @@ from ..quant.gptq import torch_device
 from ..runtime import forward as fw
 from ..runtime.weights import ROUTED_EXPERT
 
-__all__ = ["DeviceWeights", "full_float32", "states_to", "synchronize", "torch_device"]
+__all__ = ["DeviceWeights", "free_bytes", "full_float32", "states_to", "synchronize", "torch_device"]
 
 
 class DeviceWeights(Mapping):
@@ -78,3 +78,15 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "npu":
         torch.npu.synchronize()
+
+
+def free_bytes(name: str) -> int | None:
+    """The free memory of the device ``--device name`` as its driver reports it (what other processes on it
+    left), or None for the CPU. Opens the device in this process (the local workers are forked from a fork server
+    started afresh, so this does not reach them)."""
+    if name == "cpu":
+        return None
+    dev = torch_device(name)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    return int(torch.npu.mem_get_info(dev)[0])  # torch_npu mirrors torch.cuda's memory API

@@ -52,6 +52,9 @@ WORKER_BASE_BYTES = 400 * 1024**2
 #: the driver's resident bytes besides its model state (Python, torch, the runtime, tokenizer, readers):
 #: measured on the tiny model's calibrated convert (docs/calibration.md)
 DRIVER_BASE_BYTES = 600 * 1024**2
+#: the device memory a CUDA / NPU context takes in each process that opens the device (the driver, and each local
+#: worker process with ``--device cuda|npu``), beside what the process allocates there
+DEVICE_CONTEXT_BYTES = 600 * 1024**2
 #: torch ops the forward issues per layer pass outside the routed experts (norms, attention, residual mixes),
 #: and per routed expert that runs (gather, three Linears, the GLU, the scatter-add); counted in
 #: runtime/forward.py
@@ -406,7 +409,20 @@ def _memory(spec, cfg: CalibConfig, jobs: dict, hess: dict, nonexpert: dict, exp
     shape = max(biggest.members, key=lambda m: m[2] * m[3])[2:] if biggest else (0, 0)
     beside = max((sum(sorted(map(size, js), reverse=True)[:local_workers]) for js in jobs.values()), default=0)
     return {"driver": driver, "worker": size(biggest) if biggest else WORKER_BASE_BYTES, "worker_shape": list(shape),
-            "peak": driver["total"] + beside}
+            "peak": driver["total"] + beside, **_device_bytes(cfg, driver, beside, local_workers)}
+
+
+def _device_bytes(cfg: CalibConfig, driver: dict, beside: int, local_workers: int) -> dict:
+    """With ``--device cuda|npu``, the device memory of the run's processes on this machine: {device: all of it,
+    device_driver: the driver's forward, states and Hessians there and its context}. Local GPTQ jobs run there too
+    (in the driver with one worker, else in each worker process, with a context each), counted at their CPU bytes
+    (``job_bytes``: their weight, Hessian and working set go to the device; a routed expert's rows stay on the CPU,
+    so this errs high). Ray's jobs run on their own nodes: not counted. Zeros on the CPU."""
+    if cfg.device == "cpu":
+        return {"device": 0, "device_driver": 0}
+    own = sum(driver[k] for k in ("weights", "state", "forward", "hessians")) + DEVICE_CONTEXT_BYTES
+    workers = local_workers * DEVICE_CONTEXT_BYTES if local_workers > 1 else 0
+    return {"device": own + beside + workers, "device_driver": own}
 
 
 def _gptq_workers(workers: int, executor: str, cores: int) -> int:
@@ -530,6 +546,4 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
             "worker_memory_bytes": mem["worker"], "worker_memory_tensor_shape": mem["worker_shape"],
             "memory_bytes": mem["peak"],
-            "device": cfg.device, "rates_from": "cpu",
-            "device_memory_bytes": 0 if cfg.device == "cpu" else
-            sum(driver[k] for k in ("weights", "state", "forward", "hessians"))}
+            "device": cfg.device, "rates_from": "cpu", "device_memory_bytes": mem["device"]}

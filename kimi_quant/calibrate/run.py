@@ -152,37 +152,54 @@ def forward_threads(executor: str, workers: int | None) -> int:
 
 
 def workers_that_fit(source, plan: Plan, cfg: CalibConfig, executor: str, workers: int | None) -> int | None:
-    """The workers of a calibrated run, checked before any work against this machine's memory by ``plan
-    --calibrate``'s own accounting (``estimate.memory``): hours into a run the OOM killer would say nothing. Local
-    and no ``--workers``: as many of one per core as fit, saying so if fewer; a run that cannot fit (the driver
-    and its workers' largest jobs; with Ray the driver) is refused in one line."""
+    """The workers of a calibrated run, checked before any work against this machine's memory (and with
+    ``--device cuda|npu`` the device's free memory) by ``plan --calibrate``'s own accounting (``estimate.memory``):
+    hours into a run the OOM killer would say nothing. Local and no ``--workers``: as many of one per core as fit,
+    saying so if fewer; a run that cannot fit (the driver and its workers' largest jobs; with Ray the driver) is
+    refused in one line."""
     from ..progress import fmt_size
-    from .estimate import machine_memory_bytes, memory
+    from .device import free_bytes
+    from .estimate import DEVICE_CONTEXT_BYTES, machine_memory_bytes, memory
 
     spec = load_model_spec_from_source(source, recipe_given=True)
     local = executor == "local"
     n = _local_workers(workers) if local else int(workers or 1)
-    have = machine_memory_bytes()
+    have = {"memory": machine_memory_bytes(), "device": free_bytes(cfg.device)}
     need = memory(plan, spec, cfg, executor)
+
+    def short(m: dict) -> str | None:  # what the run would not fit in
+        if m["peak"] > have["memory"]:
+            return "memory"
+        return "device" if have["device"] is not None and m["device"] > have["device"] else None
+
+    def amount(m: dict, what: str) -> str:
+        return (f"~{fmt_size(m['peak'])} of memory here, this machine has {fmt_size(have['memory'])}"
+                if what == "memory" else
+                f"~{fmt_size(m['device'])} of {cfg.device} memory, the device has {fmt_size(have['device'])} free")
+
     m = need(n)
-    if m["peak"] <= have:
+    what = short(m)
+    if what is None:
         return workers
     if local and not workers:
         fit, over = 0, n  # the most that fit (the peak grows with the workers: a bisection, ~2 s a step on K3.1)
         while over - fit > 1:
             mid = (fit + over) // 2
-            fit, over = (mid, over) if need(mid)["peak"] <= have else (fit, mid)
+            fit, over = (mid, over) if short(need(mid)) is None else (fit, mid)
         if fit:
-            log.warning("kimi-quant: note: %d workers would need ~%s of memory here, this machine has %s: using %d",
-                        n, fmt_size(m["peak"]), fmt_size(have), fit)
+            log.warning("kimi-quant: note: %d workers would need %s: using %d", n, amount(m, what), fit)
             return fit
         m, n = need(1), 1
+        what = short(m)
     beside = (f" and {n} GPTQ jobs of up to {fmt_size(m['worker'])} each" if n > 1 else
               f" and its GPTQ jobs of up to {fmt_size(m['worker'])}") if local else ""
+    if what == "device" and local and n > 1:
+        beside += f", in {n} processes with a device context of ~{fmt_size(DEVICE_CONTEXT_BYTES)} each"
     ways = (["fewer --workers"] if local and n > 1 else []) + ["fewer --tokens", "a smaller --expert-batch"] \
-        + (["--executor ray"] if local else []) + ["a larger machine"]
-    raise KimiQuantError(f"--calibrate needs ~{fmt_size(m['peak'])} of memory here (the driver "
-                         f"{fmt_size(m['driver']['total'])}{beside}), this machine has {fmt_size(have)}: use "
+        + (["--executor ray"] if local else []) + (["--device cpu"] if what == "device" else []) \
+        + ["a larger machine" if what == "memory" else "a larger device"]
+    held = m["driver"]["total"] if what == "memory" else m["device_driver"]
+    raise KimiQuantError(f"--calibrate needs {amount(m, what)} (the driver {fmt_size(held)}{beside}): use "
                          f"{', '.join(ways[:-1])} or {ways[-1]} (`kimi-quant plan --calibrate` sizes a run)")
 
 

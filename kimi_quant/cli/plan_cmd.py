@@ -195,7 +195,9 @@ def _device_lines(e: dict) -> list[str]:
         return []
     return [f"         --device {e['device']}: the forward, Hessians and GPTQ times above are CPU estimates (this "
             f"machine's CPU rates; no {e['device']} rate is measured); on the device: "
-            f"~{fmt_size(e['device_memory_bytes'])} (the driver's weights, state, forward and Hessians)"]
+            f"~{fmt_size(e['device_memory_bytes'])} (the driver's weights, state, forward and Hessians"
+            + (", and its local workers' GPTQ jobs" if e["executor"] == "local" else "")
+            + "; convert checks it against the device's free memory)"]
 
 
 def packed_source_lines(p, calibrated: bool) -> list[str]:
