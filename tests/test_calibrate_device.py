@@ -264,3 +264,20 @@ def test_a_run_the_device_cannot_hold_is_refused_or_given_fewer_default_workers(
             assert "\n" not in str(e.value) and "of cuda memory, the device has" in str(e.value)
     finally:
         src.close()
+
+
+def test_a_device_that_cannot_be_opened_is_one_line(monkeypatch):
+    """A device torch lists but cannot open (exclusive mode, held by another process): one line, before any work."""
+    from kimi_quant.errors import KimiQuantError
+
+    monkeypatch.setattr(cdev, "torch_device", lambda name: torch.device("cuda"))
+
+    def busy(dev=None):
+        raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable\nCUDA kernel errors ...")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", busy)
+    with pytest.raises(KimiQuantError) as e:
+        cdev.free_bytes("cuda")
+    assert str(e.value) == ("--device cuda: the device cannot be opened (CUDA error: all CUDA-capable devices are "
+                            "busy or unavailable); use --device cpu")
+    assert cdev.free_bytes("cpu") is None

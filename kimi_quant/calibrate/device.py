@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..errors import KimiQuantError
 from ..quant.gptq import torch_device
 from ..runtime import forward as fw
 from ..runtime.weights import ROUTED_EXPERT
@@ -87,6 +88,10 @@ def free_bytes(name: str) -> int | None:
     if name == "cpu":
         return None
     dev = torch_device(name)
-    if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev)[0])
-    return int(torch.npu.mem_get_info(dev)[0])  # torch_npu mirrors torch.cuda's memory API
+    try:
+        if dev.type == "cuda":
+            return int(torch.cuda.mem_get_info(dev)[0])
+        return int(torch.npu.mem_get_info(dev)[0])  # torch_npu mirrors torch.cuda's memory API
+    except RuntimeError as e:  # busy (exclusive mode, held by another process), or a broken driver
+        what = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise KimiQuantError(f"--device {name}: the device cannot be opened ({what}); use --device cpu") from e
