@@ -3,10 +3,9 @@
 Why: the reference torch loop (``gptq.gptq_run`` with ``kernel=False``) launches ~15 kernels per column, so
 a [3072, 3584] matrix spends its time launching, not computing: on an H200 a whole GPTQ of one took 1.8 s,
 about what the whole CPU path takes on one thread, whose block kernel is ~0.1 s of it. Here one launch does a
-whole block: a thread owns one output
-row (GPTQ's rows are independent given the factor), keeps the row's block of weights in its local memory,
-and repeats the CPU kernel's float32 operations column by column (``TILE``-free: the GPU's threads are the
-tiles). The products between blocks stay torch matmuls.
+whole block: a thread owns one output row (GPTQ's rows are independent given the factor), keeps the row's
+block of weights in its local memory, and repeats the CPU kernel's float32 operations column by column
+(``TILE``-free: the GPU's threads are the tiles). The products between blocks stay torch matmuls.
 
 The results are the CPU kernel's up to rounding: the device compiler may fuse a multiply and an add
 (``w - e u``) into one rounding, so a code can differ where a value lies within an ulp of a rounding
