@@ -84,6 +84,7 @@ class RayRunner:
                                 MAX_RETRIES + 1)
                     pending[0][1] = submit(group)
                     continue
+                attempts.pop(id(group), None)  # done: its id may come back with another group
                 pending.popleft()
                 window.fill()
                 yield from outs
