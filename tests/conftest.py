@@ -242,3 +242,42 @@ def kernels_build(build: str):
         yield base._kernels
     finally:
         base._kernels = saved
+
+
+# --- Ray: a worker killed while it runs a task (tests/test_calibrate_parallel.py, test_ray_executor.py) ----------
+def running(title: str) -> list[int]:
+    """PIDs of the processes whose title (Ray sets it to ``ray::<task>`` while one runs) starts with ``title``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "cmdline").read_bytes().startswith(title.encode()):
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
+
+
+@contextlib.contextmanager
+def kill_the_first(title: str):
+    """Within: a watcher SIGKILLs the first process seen running ``title`` (as a node that dies would lose its
+    task); yields the list of killed PIDs (one at most)."""
+    import threading
+    import time
+
+    killed, stop = [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            for pid in running(title):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield killed
+    finally:
+        stop.set()
+        watcher.join()

@@ -26,7 +26,7 @@ from kimi_quant.quant.gptq import GPTQConfig
 from kimi_quant.synth import synth
 from kimi_quant.verify import verify_output
 
-from conftest import small_moe, snapshot
+from conftest import kill_the_first, small_moe, snapshot
 
 torch.set_num_threads(1)
 TOKENS = 1024  # 2 windows of 512: most tiny experts see >= 32 tokens; a run takes seconds
@@ -251,48 +251,17 @@ def test_ray_failing_job_is_one_line(cluster):
     assert "layers.1.w2" in str(e.value) and "\n" not in str(e.value)
 
 
-def _running(title: str) -> list[int]:
-    """PIDs of the processes whose title (Ray sets it to ``ray::<task>`` while one runs) starts with ``title``."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and (d / "cmdline").read_bytes().startswith(title.encode()):
-                pids.append(int(d.name))
-        except OSError:
-            pass
-    return pids
-
-
 def test_ray_lost_task_is_redone_to_the_same_bytes_and_said(cluster, caplog):
     """A Ray worker killed while it runs a GPTQ task (as a node that dies would lose it): the driver submits the
     task again, says so in one warning, and the results are those of an undisturbed run."""
-    import threading
-    import time
-
     from kimi_quant.calibrate.ray_jobs import RayRunner
 
     rng = np.random.default_rng(0)
     jobs = [_job(f"layers.1.experts.{e}.w1", rng.standard_normal((1024, 2048)).astype(np.float32)) for e in range(3)]
     with RayRunner(2) as r:
         want = list(r.run(jobs))
-    killed, stop = [], threading.Event()
-
-    def kill_the_first_task():
-        while not stop.is_set():
-            for pid in _running("ray::_gptq_task"):
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=kill_the_first_task)
-    watcher.start()
-    try:
-        with caplog.at_level(logging.WARNING), RayRunner(2) as r:
-            got = list(r.run(jobs))
-    finally:
-        stop.set()
-        watcher.join()
+    with kill_the_first("ray::_gptq_task") as killed, caplog.at_level(logging.WARNING), RayRunner(2) as r:
+        got = list(r.run(jobs))
     assert len(killed) == 1
     said = [m.getMessage() for m in caplog.records if "was lost" in m.getMessage()]
     assert len(said) == 1 and "layers.1.experts." in said[0] and "redoing it (attempt 2 of 4)" in said[0], said

@@ -141,6 +141,23 @@ def _corrupt(src: Path, dst: Path) -> tuple[str, str, str]:
     return name, file, unit
 
 
+def test_a_lost_task_is_retried_to_the_same_bytes_and_said(cluster, tmp_path, caplog):
+    """A Ray worker killed while it converts a unit (as a node that dies would lose it): the driver submits the unit
+    again, says so in one warning naming the shard, and the output is the local executor's, byte for byte."""
+    import logging
+
+    from conftest import MID_TEXT, kill_the_first, make_checkpoint
+
+    mid = make_checkpoint(tmp_path / "mid", MID_TEXT)  # units that take long enough to be caught running
+    _convert(mid, tmp_path / "local", "local", workers=1)
+    with kill_the_first("ray::_convert_unit_task") as killed, caplog.at_level(logging.WARNING):
+        _convert(mid, tmp_path / "ray", "ray")
+    assert len(killed) == 1
+    said = [r.getMessage() for r in caplog.records if "Ray task converting" in r.getMessage()]
+    assert len(said) == 1 and "retrying it (attempt 2 of 4)" in said[0] and "quant_model_weights-" in said[0], said
+    assert snapshot(tmp_path / "ray") == snapshot(tmp_path / "local")
+
+
 def test_failing_unit_stops_with_one_line_naming_its_shard(cluster, src, local_out, tmp_path):
     bad = tmp_path / "src"
     name, file, unit = _corrupt(src, bad)

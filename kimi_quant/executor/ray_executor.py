@@ -9,9 +9,10 @@ provenance; a task returns only a small dict (``unit.run_job``).
 
 - ``slots`` is the cluster's CPU count (or ``workers`` when given): the driver keeps that many
   jobs running (and as many queued).
-- A task is retried (``MAX_RETRIES``) when its worker or node dies or it raises ``OSError`` (a
-  flaky mount); a ``KimiQuantError`` such as ``BadCheckpoint`` is deterministic and is not. A unit
-  that still fails stops the run with one line naming its shard.
+- A task is submitted again (up to ``MAX_RETRIES`` times) when its worker or node dies or it raises
+  ``OSError`` (a flaky mount), by the driver, which says so in one warning naming the shard (Ray's own
+  retries would be silent); a ``KimiQuantError`` such as ``BadCheckpoint`` is deterministic and is
+  not. A unit that still fails stops the run with one line naming its shard.
 - Progress: tasks report cumulative input bytes per job to a small actor (a retried attempt
   does not count twice); a driver thread drains it into ``on_progress``.
 - With no address, the executor joins ``RAY_ADDRESS`` or a cluster already running on this
@@ -42,6 +43,8 @@ try:
     from ray import exceptions as rex
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise KimiQuantError("the Ray executor needs Ray: pip install 'kimi-quant[ray]'") from e
+
+log = logging.getLogger(__name__)
 
 MAX_RETRIES = 3  # attempts = MAX_RETRIES + 1 for transient failures
 FLUSH_SECONDS = 0.5  # how often a task reports progress, and the driver drains it
@@ -107,7 +110,8 @@ def _check_node(paths: dict[str, str], out_dir: str, version: str) -> None:
                              "every Ray node mounts at the same path")
 
 
-@ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=[OSError])
+# retried by the driver (RayExecutor._launch), which says so
+@ray.remote(num_cpus=1, max_retries=0)
 def _convert_unit_task(unit: dict, paths: dict[str, str], out_dir: str, progress, version: str) -> dict:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _check_node(paths, out_dir, version)
@@ -123,9 +127,21 @@ def one_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__).strip()
 
 
-def unit_failure(file: str, exc: BaseException) -> BaseException:
-    """The exception the driver sees for a unit whose Ray task failed for good."""
-    cause = exc.cause if isinstance(exc, rex.RayTaskError) and getattr(exc, "cause", None) is not None else exc
+def _cause(exc: BaseException) -> BaseException:
+    """What a task raised (a RayTaskError wraps it), or the system error itself (a lost worker or node)."""
+    return exc.cause if isinstance(exc, rex.RayTaskError) and getattr(exc, "cause", None) is not None else exc
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a task's failure may pass on another attempt: its worker or node went away, or an OSError
+    (a flaky mount); a KimiQuantError (a damaged source, another version on a node) is deterministic."""
+    cause = _cause(exc)
+    return isinstance(cause, SYSTEM_ERRORS) or (isinstance(cause, OSError) and not isinstance(cause, KimiQuantError))
+
+
+def unit_failure(file: str, exc: BaseException, attempts: int = MAX_RETRIES + 1) -> BaseException:
+    """The exception the driver sees for a unit whose Ray task failed for good (after ``attempts``)."""
+    cause = _cause(exc)
     if isinstance(cause, KimiQuantError):  # deterministic: never retried
         cls = type(cause)
         msg = f"unit {file} failed after 1 attempt: {one_line(cause)}"
@@ -135,7 +151,7 @@ def unit_failure(file: str, exc: BaseException) -> BaseException:
             err = KimiQuantError(msg)
     elif isinstance(cause, OSError) or isinstance(cause, SYSTEM_ERRORS):
         what = one_line(cause) if isinstance(cause, OSError) else f"{type(cause).__name__}: {one_line(cause)}"
-        err = KimiQuantError(f"unit {file} failed after {MAX_RETRIES + 1} attempts: {what}")
+        err = KimiQuantError(f"unit {file} failed after {attempts} attempt{'s' if attempts > 1 else ''}: {what}")
     elif isinstance(cause, rex.TaskCancelledError):
         return cause
     else:  # a bug: keep the remote traceback (RayTaskError carries it) and name the unit
@@ -256,23 +272,39 @@ class RayExecutor(Executor):
 
     # -- executor contract ----------------------------------------------------------------------
     def submit(self, unit: dict, paths: dict[str, str], out_dir: str) -> Future:
-        file = unit["file"]
-        ref = _convert_unit_task.remote(unit, dict(paths), str(out_dir), self._actor, __version__)
-        with self._lock:
-            self._refs[ref] = file
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
+        self._launch(unit, dict(paths), str(out_dir), fut, 1)
+        return fut
+
+    def _launch(self, unit: dict, paths: dict[str, str], out_dir: str, fut: Future, attempt: int) -> None:
+        """Attempt ``attempt`` of a unit's task; a transient failure launches the next one, saying so."""
+        file = unit["file"]
+        ref = _convert_unit_task.remote(unit, paths, out_dir, self._actor, __version__)
+        with self._lock:
+            self._refs[ref] = file
 
         def done(rf: Future) -> None:
             with self._lock:
                 self._refs.pop(ref, None)
             try:
                 fut.set_result(rf.result())
+                return
             except BaseException as e:  # noqa: BLE001 - delivered to the driver through the future
-                fut.set_exception(unit_failure(file, e))
+                err = e
+            if transient(err) and attempt <= MAX_RETRIES and not self._closed:
+                cause = _cause(err)
+                log.warning("kimi-quant: warning: the Ray task converting %s failed (%s: %s); retrying it "
+                            "(attempt %d of %d)", file, type(cause).__name__, one_line(cause), attempt + 1,
+                            MAX_RETRIES + 1)
+                try:
+                    self._launch(unit, paths, out_dir, fut, attempt + 1)
+                    return
+                except BaseException as e:  # noqa: BLE001 - the cluster went away: this attempt's error stands
+                    err = e
+            fut.set_exception(unit_failure(file, err, attempt))
 
         ref.future().add_done_callback(done)
-        return fut
 
     def shutdown(self, abort: bool = False) -> None:
         if self._closed:
