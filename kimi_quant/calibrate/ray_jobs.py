@@ -61,7 +61,7 @@ class RayRunner:
 
         window = SubmitWindow(jobs, submit, JOBS_PER_WORKER * self.workers)
         pending = window.pending  # [group, object ref]
-        attempts: dict[int, int] = {}  # id(group) -> attempts made, for the groups that were lost once
+        lost = 0  # times the oldest pending group was lost (only the oldest is waited on, so retried)
         try:
             window.fill()
             while pending:
@@ -74,17 +74,16 @@ class RayRunner:
                     raise job_failure(job, cause) from cause
                 except SYSTEM_ERRORS as e:
                     names = " / ".join(j.name for j in group)
-                    tried = attempts.get(id(group), 1)
-                    if tried > MAX_RETRIES:
-                        raise KimiQuantError(f"GPTQ of {names} failed after {tried} attempts: "
+                    lost += 1
+                    if lost > MAX_RETRIES:
+                        raise KimiQuantError(f"GPTQ of {names} failed after {lost} attempts: "
                                              f"{type(e).__name__}: {one_line(e)}") from e
-                    attempts[id(group)] = tried + 1
                     log.warning("kimi-quant: warning: the Ray task running GPTQ of %s was lost (%s: %s); "
-                                "redoing it (attempt %d of %d)", names, type(e).__name__, one_line(e), tried + 1,
+                                "redoing it (attempt %d of %d)", names, type(e).__name__, one_line(e), lost + 1,
                                 MAX_RETRIES + 1)
                     pending[0][1] = submit(group)
                     continue
-                attempts.pop(id(group), None)  # done: its id may come back with another group
+                lost = 0
                 pending.popleft()
                 window.fill()
                 yield from outs

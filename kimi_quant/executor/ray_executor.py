@@ -149,7 +149,7 @@ def unit_failure(file: str, exc: BaseException, attempts: int = MAX_RETRIES + 1)
             err = cls(msg)
         except Exception:  # noqa: BLE001 - a subclass with another constructor
             err = KimiQuantError(msg)
-    elif isinstance(cause, OSError) or isinstance(cause, SYSTEM_ERRORS):
+    elif transient(cause):
         what = one_line(cause) if isinstance(cause, OSError) else f"{type(cause).__name__}: {one_line(cause)}"
         err = KimiQuantError(f"unit {file} failed after {attempts} attempt{'s' if attempts > 1 else ''}: {what}")
     elif isinstance(cause, rex.TaskCancelledError):
@@ -300,8 +300,8 @@ class RayExecutor(Executor):
                 try:
                     self._launch(unit, paths, out_dir, fut, attempt + 1)
                     return
-                except BaseException as e:  # noqa: BLE001 - the cluster went away: this attempt's error stands
-                    err = e
+                except Exception:  # noqa: BLE001 - the cluster went away: this attempt's error stands
+                    pass
             fut.set_exception(unit_failure(file, err, attempt))
 
         ref.future().add_done_callback(done)
