@@ -224,7 +224,8 @@ def cluster():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     if ray.is_initialized():
         pytest.skip("a Ray session is already open in this process")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    # one GPU declared (Ray takes it as a resource: nothing here opens it), no NPU
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
     if old is None:
@@ -267,6 +268,39 @@ def test_ray_lost_task_is_redone_to_the_same_bytes_and_said(cluster, caplog):
     assert len(said) == 1 and "layers.1.experts." in said[0] and "redoing it (attempt 2 of 4)" in said[0], said
     assert len(got) == len(want) == 3
     assert all(a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a) for a, b in zip(want, got))
+
+
+def test_ray_tasks_on_a_device_share_the_cluster_devices_and_a_cluster_without_one_is_refused(cluster):
+    """With --device cuda each task holds a share of one of the cluster's GPUs (so two workers share the one
+    declared here and run to the same results); --device npu on a cluster with no NPU is one line before any task
+    is submitted (Ray would keep such tasks pending for ever)."""
+    from kimi_quant.calibrate.ray_jobs import RayRunner
+
+    rng = np.random.default_rng(3)
+    jobs = [_job(f"layers.1.experts.{e}.w1", rng.standard_normal((64, 128)).astype(np.float32)) for e in range(4)]
+    with RayRunner(2) as r:
+        want = list(r.run(jobs))
+    with RayRunner(2, device="cuda") as r:
+        assert r.task_options == {"num_gpus": 0.5}
+        got = list(r.run(jobs))
+    assert all(a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a) for a, b in zip(want, got))
+    with pytest.raises(KimiQuantError) as e:
+        RayRunner(2, device="npu")
+    msg = str(e.value)
+    assert "no NPU" in msg and "--device cpu" in msg and "\n" not in msg
+    assert cluster.is_initialized()  # a refused runner leaves the cluster it joined running
+
+
+def test_device_share_spreads_tasks_evenly_over_the_devices():
+    from kimi_quant.calibrate.ray_jobs import device_share
+
+    assert device_share("cpu", 64, {"CPU": 64}) == {}
+    assert device_share("cuda", 64, {"CPU": 64, "GPU": 8}) == {"num_gpus": 0.125}
+    assert device_share("cuda", 4, {"CPU": 64, "GPU": 8}) == {"num_gpus": 1.0}  # fewer tasks than devices
+    assert device_share("cuda", 3, {"GPU": 1}) == {"num_gpus": 0.3333}  # 3 x 0.3333 fits in one
+    assert device_share("npu", 32, {"NPU": 16}) == {"resources": {"NPU": 0.5}}
+    with pytest.raises(KimiQuantError, match="no GPU"):
+        device_share("cuda", 2, {"CPU": 2})
 
 
 def test_a_run_this_machine_cannot_hold_is_refused_or_given_fewer_default_workers(serial, source, tmp_path,

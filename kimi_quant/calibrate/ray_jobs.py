@@ -6,11 +6,14 @@ factored once), so workers need no shared filesystem.
 A task whose worker or node dies (or whose arguments were lost with a node) is submitted again by the driver,
 with one warning naming its tensors, up to ``MAX_RETRIES`` times (the same job gives the same bytes wherever it
 runs); a task that raises is deterministic and stops the run with one line naming the tensor.
+With ``--device cuda|npu`` each task asks Ray for a share of one GPU (NPU), so that the runner's workers spread
+evenly over the cluster's devices and never land on a node without one (``device_share``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -43,21 +46,54 @@ def _gptq_task(jobs: list[Job], weights: list[np.ndarray], hessian: np.ndarray |
     return run_gptq_jobs(jobs)
 
 
+#: the Ray resource of each ``--device`` (Ray detects both: NVIDIA GPUs, and Ascend NPUs as "NPU")
+RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
+
+
+def device_share(device: str, workers: int, resources: dict) -> dict:
+    """The Ray options that give each of ``workers`` tasks a share of one ``device`` of the cluster (whose
+    ``resources`` are ``ray.cluster_resources()``): ``{}`` on the CPU; else a fraction ``1 / ceil(workers /
+    devices)`` of one, so the tasks spread evenly over the devices (Ray hands each task one device's id in
+    ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``) and never go to a node without one. A cluster with
+    none is refused in one line: Ray would hold such tasks pending for ever."""
+    if device == "cpu":
+        return {}
+    name = RAY_RESOURCE[device]
+    have = int(resources.get(name, 0))
+    if have < 1:
+        raise KimiQuantError(f"--device {device} --executor ray: the Ray cluster has no {name} (it has "
+                             f"{int(resources.get('CPU', 0))} CPUs); start its nodes with their devices "
+                             f"(`ray start --resources` / `--num-gpus`) or use --device cpu")
+    per = math.ceil(workers / have)  # tasks sharing one device
+    share = 1.0 if per <= 1 else math.floor(1e4 / per) / 1e4  # Ray counts fractions in steps of 1e-4
+    if share <= 0:
+        raise KimiQuantError(f"--workers {workers} would put {per} tasks on each of {have} {name}s (Ray shares one "
+                             "device among at most 10000): use fewer --workers")
+    return {"num_gpus": share} if name == "GPU" else {"resources": {name: share}}
+
+
 class RayRunner:
     """Jobs as Ray tasks, ``workers`` at once (default: the cluster's CPUs), results in job order; consecutive
-    jobs sharing a Hessian are one task (the Hessian sent and factored once)."""
+    jobs sharing a Hessian are one task (the Hessian sent and factored once). ``device``: where the jobs' GPTQ
+    runs (``--device``); each task then holds a share of one of the cluster's devices (``device_share``)."""
 
-    def __init__(self, workers: int | None = None, address: str | None = None, **_ignored):
+    def __init__(self, workers: int | None = None, address: str | None = None, device: str = "cpu", **_ignored):
         self._owns_ray = connect(address, workers, object_store=None)
-        cpus = int(ray.cluster_resources().get("CPU", 0))
-        self.workers = max(1, int(workers) if workers else cpus)
+        try:
+            resources = ray.cluster_resources()
+            self.workers = max(1, int(workers) if workers else int(resources.get("CPU", 0)))
+            self.task_options = device_share(device, self.workers, resources)
+        except BaseException:
+            self.close()
+            raise
+        self._task = _gptq_task.options(**self.task_options) if self.task_options else _gptq_task
 
     def run(self, jobs: Iterable[Job]) -> Iterator[dict[str, np.ndarray]]:
         def submit(group: list[Job]):  # the arrays travel as their own objects, the Hessian once
             if isinstance(group[0], ExpertJob):
-                return _gptq_task.remote(group, [], None, __version__)
+                return self._task.remote(group, [], None, __version__)
             bare = [replace(j, weight=np.empty(0, np.float32), hessian=np.empty(0, np.float64)) for j in group]
-            return _gptq_task.remote(bare, [j.weight for j in group], group[0].hessian, __version__)
+            return self._task.remote(bare, [j.weight for j in group], group[0].hessian, __version__)
 
         window = SubmitWindow(jobs, submit, JOBS_PER_WORKER * self.workers)
         pending = window.pending  # [group, object ref]

@@ -203,13 +203,13 @@ def workers_that_fit(source, plan: Plan, cfg: CalibConfig, executor: str, worker
                          f"{', '.join(ways[:-1])} or {ways[-1]} (`kimi-quant plan --calibrate` sizes a run)")
 
 
-def make_runner(executor: str, workers: int | None, options: dict | None = None):
-    """The runner of ``convert --calibrate --executor E --workers N`` (local: one process per core by default;
-    one worker runs in this process)."""
+def make_runner(executor: str, workers: int | None, options: dict | None = None, device: str = "cpu"):
+    """The runner of ``convert --calibrate --executor E --workers N --device D`` (local: one process per core by
+    default; one worker runs in this process; each opens ``device`` itself)."""
     if executor == "ray":
         from .ray_jobs import RayRunner  # optional extra: pip install kimi-quant[ray]
 
-        return RayRunner(workers, **(options or {}))
+        return RayRunner(workers, device=device, **(options or {}))
     n = _local_workers(workers)
     return SerialRunner() if n <= 1 else ProcessRunner(n)
 
@@ -332,7 +332,7 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
     weights = SourceWeights(source, spec)
     try:
         if r.todo:
-            with make_runner(opts.executor, opts.workers, opts.executor_options) as quant.runner:
+            with make_runner(opts.executor, opts.workers, opts.executor_options, cfg.device) as quant.runner:
                 layers_done = _run_layers(tcfg, source, plan, windows, out_dir, journal, r, quant, weights, bar,
                                           binding, spec)
     finally:
