@@ -171,6 +171,12 @@ def test_plan_for_a_device_says_its_times_are_cpu_estimates(source, tmp_path):
     d = e["driver_memory"]
     own = d["weights"] + d["state"] + d["forward"] + d["hessians"]
     assert e["device_memory_bytes"] > own > 0  # and the local workers' jobs, a context each
+    assert "each Ray task holds" not in r.stdout
+    r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "plan", str(source), "-t", "a3", "--calibrate",
+                        "--tokens", "512", "--device", "cuda", "--executor", "ray", "--workers", "16"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert "Ray puts ceil(16 / the cluster's devices) tasks on each" in r.stdout  # the share each task holds
     r = subprocess.run([sys.executable, "-m", "kimi_quant.cli", "plan", str(source), "-t", "a3", "--calibrate",
                         "--tokens", "512"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and "CPU estimates" not in r.stdout

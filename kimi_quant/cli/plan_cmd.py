@@ -191,13 +191,19 @@ def _over_memory(e: dict) -> str:
 
 def _device_lines(e: dict) -> list[str]:
     """With --device cuda|npu: the times above are CPU estimates; what the device holds."""
+    from ..calibrate.estimate import DEVICE_CONTEXT_BYTES
+
     if e["device"] == "cpu":
         return []
     return [f"         --device {e['device']}: the forward, Hessians and GPTQ times above are CPU estimates (this "
             f"machine's CPU rates; no {e['device']} rate is measured); on the device: "
             f"~{fmt_size(e['device_memory_bytes'])} (the driver's weights, state, forward and Hessians"
             + (", and its local workers' GPTQ jobs" if e["executor"] == "local" else "")
-            + "; convert checks it against the device's free memory)"]
+            + "; convert checks it against the device's free memory)"
+            + ("" if e["executor"] == "local" else
+               f"; each Ray task holds up to ~{fmt_size(e['worker_memory_bytes'] + DEVICE_CONTEXT_BYTES)} on the "
+               f"device it shares (its job and a context), and Ray puts ceil({e['workers']} / the cluster's "
+               "devices) tasks on each")]
 
 
 def packed_source_lines(p, calibrated: bool) -> list[str]:
