@@ -37,8 +37,8 @@ def source(tmp_path_factory) -> Path:
     return synth("tiny", tmp_path_factory.mktemp("parsrc") / "tiny-bf16")
 
 
-def _convert(source, out, workers: int, executor: str = "local", expert_batch: int | None = None):
-    cfg = CalibConfig(tokens=TOKENS, expert_batch=expert_batch)
+def _convert(source, out, workers: int, executor: str = "local", expert_batch: int | None = None, seq_len: int = 512):
+    cfg = CalibConfig(tokens=TOKENS, expert_batch=expert_batch, seq_len=seq_len)
     return convert(str(source), ConvertOptions(target="a3", output=Path(out), quiet=True, workers=workers,
                                                executor=executor, calibrate=cfg))
 
@@ -241,6 +241,31 @@ def test_ray_with_two_workers_writes_the_same_bytes(cluster, serial, source, tmp
     assert cluster.is_initialized()  # a cluster it joined is left running
 
 
+def test_ray_forward_over_token_passes_writes_the_same_bytes(cluster, source, tmp_path, monkeypatch):
+    """With more tokens than one pass, Ray runs the forward data-parallel: each pass in an actor of its own, its
+    Hessians replayed into the driver's sums in pass order. The bytes are those of the forward in the driver."""
+    from kimi_quant.calibrate import config as calib_config
+    from kimi_quant.calibrate import ray_forward
+
+    monkeypatch.setattr(calib_config, "PASS_TOKENS", TOKENS // 4)  # 4 windows of 256, 4 passes (3 sums in order)
+    local = tmp_path / "local"
+    _convert(source, local, workers=1, seq_len=TOKENS // 4)
+    made = []
+    real = ray_forward.RayForward
+
+    class Counted(real):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self.partitions)
+
+    monkeypatch.setattr(ray_forward, "RayForward", Counted)
+    out = tmp_path / "ray"
+    _convert(source, out, workers=2, executor="ray", seq_len=TOKENS // 4)
+    assert made == [4]
+    assert snapshot(out) == snapshot(local)
+    verify_output(out)
+
+
 def test_ray_failing_job_is_one_line(cluster):
     from kimi_quant.calibrate.ray_jobs import RayRunner
 
@@ -341,3 +366,51 @@ def test_a_run_this_machine_cannot_hold_is_refused_or_given_fewer_default_worker
         with pytest.raises(KimiQuantError, match=says) as e:
             _convert(source, out, workers=workers)
         assert "\n" not in str(e.value) and "of memory here" in str(e.value) and not out.exists()
+
+
+@pytest.mark.parametrize("float32_sums", [False, True], ids=["float64", "float32-in-place"])
+def test_recorded_passes_replayed_in_order_give_the_collectors_hessians_bit_for_bit(source, float32_sums,
+                                                                                      monkeypatch):
+    """What the data-parallel forward rests on: a layer's sections observed per pass by Recorders (as the Ray
+    actors do) and replayed in pass order give the very sums of one collector observing every pass (float64,
+    before GPTQ rounds them away; or, as above FLOAT64_MAX_K, float32 sums accumulated in place, where the order
+    of the passes shows in the bits), and the same routed rows."""
+    from kimi_quant.calibrate import hessian
+    from kimi_quant.calibrate.hessian import HessianCollector, Recorder
+    from kimi_quant.calibrate.token_parts import TokenPart
+    from kimi_quant.runtime import forward as fw
+    from kimi_quant.runtime.weights import EMBED_NAMES, SourceLoader
+
+    loader = SourceLoader(source)
+    t = load_model_spec(source).text
+    gw, _ = loader.globals(EMBED_NAMES)
+    torch.manual_seed(0)
+    ids = [torch.randint(0, t.vocab_size, (2, 64)) for _ in range(4)]
+    states = [fw.embed(gw, b) for b in ids]
+    i = t.first_k_dense_replace  # a MoE layer: attention, latent projections, shared experts, routing
+    w, _ = loader.layer(i)
+    names = [n for n in w if n.endswith(".weight") and w[n].dim() == 2 and "experts." not in n.split("shared")[0]]
+
+    if float32_sums:
+        monkeypatch.setattr(hessian, "FLOAT64_MAX_K", 8)  # every sum of the tiny model's Linears in float32
+    whole, want = TokenPart(t, list(states)), set(names)
+    coll = HessianCollector()
+    coll.want(want)
+    whole.attention(i, w, coll)
+    routing = whole.mlp(i, w, coll)
+
+    replayed, rows = HessianCollector(), []
+    replayed.want(want)
+    for st in states:
+        part, rec = TokenPart(t, [st]), Recorder(want)
+        part.attention(i, w, rec)
+        rows += part.mlp(i, w, rec)
+        replayed.replay(rec.records)
+    seen = [n for n in names if coll.tokens(n)]
+    assert len(seen) > 5 and [replayed.tokens(n) for n in seen] == [coll.tokens(n) for n in seen]
+    for n in seen:
+        h = coll.hessian(n)
+        assert h.dtype == (np.float32 if float32_sums else np.float64)
+        assert np.array_equal(h, replayed.hessian(n)), n
+    assert len(rows) == len(routing) == 4
+    assert all(torch.equal(a, b) for r1, r2 in zip(rows, routing) for a, b in zip(r1, r2))

@@ -40,6 +40,11 @@ class HessianCollector:
     def want(self, names: Iterable[str]) -> None:
         self._want.update(names)
 
+    @property
+    def wanted(self) -> frozenset[str]:
+        """The names accumulated now (a ``Recorder`` observing elsewhere is given them)."""
+        return frozenset(self._want)
+
     def __call__(self, name: str, x: torch.Tensor) -> None:
         if name not in self._want:
             return
@@ -47,22 +52,48 @@ class HessianCollector:
         if shared is not None and self._key.get(name, shared) == shared:
             self._key[name] = shared  # same input object as a Linear seen just before: same H
             return
-        key = self._key.get(name)
         xf = x.detach().reshape(-1, x.shape[-1]).to(torch.float32)
-        K = xf.shape[1]
+        key = self._key.get(name)
         if key is None:
-            key = self._key[name] = self._next
-            self._next += 1
-            self._sum[key] = torch.zeros(K, K, dtype=torch.float64 if K <= FLOAT64_MAX_K else torch.float32,
-                                         device=xf.device)
-            self._n[key] = 0
+            key = self._key[name] = self._new(xf.shape[1], xf.device)
+        self._add(name, key, xf)
+        self._recent = (self._recent + [(x, key)])[-self.RECENT:]
+
+    def _new(self, K: int, device) -> int:
+        key, self._next = self._next, self._next + 1
+        self._sum[key] = torch.zeros(K, K, dtype=torch.float64 if K <= FLOAT64_MAX_K else torch.float32,
+                                     device=device)
+        self._n[key] = 0
+        return key
+
+    def _open(self, name: str, key: int) -> None:
         if key in self._final:
             raise RuntimeError(f"{name}: inputs observed after its Hessian was handed out")
         if self._last is not None and self._last[0] == key:
             self._last = None  # the float64 hand-out was a copy: the next one sees the new inputs
+
+    def _add(self, name: str, key: int, xf: torch.Tensor) -> None:
+        self._open(name, key)
         add_gram(self._sum[key], xf)
         self._n[key] += xf.shape[0]
-        self._recent = (self._recent + [(x, key)])[-self.RECENT:]
+
+    def replay(self, records: Iterable[tuple]) -> None:
+        """Add what a ``Recorder`` observed of other token passes (in another process), as if this collector
+        had observed those passes itself, after those it has seen: the same sums, bit for bit (a float32
+        product added to the float64 sum, or the rows themselves added in place above FLOAT64_MAX_K)."""
+        for names, payload, n in records:
+            key = next((self._key[m] for m in names if m in self._key), None)
+            if key is None:
+                key = self._new(payload.shape[1], payload.device)
+            for m in names:
+                self._key.setdefault(m, key)
+            self._open(names[0], key)
+            acc = self._sum[key]
+            if acc.dtype == torch.float64:
+                acc += payload.to(torch.float64)
+            else:
+                acc.addmm_(payload.t(), payload)
+            self._n[key] += n
 
     def tokens(self, name: str) -> int:
         """How many token rows reached ``name`` (0: it was never applied)."""
@@ -101,6 +132,34 @@ class HessianCollector:
     @property
     def held_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._sum.values())
+
+
+class Recorder(HessianCollector):
+    """Observes like a HessianCollector given ``want``, but keeps what the collector would add, in order, for
+    one to ``replay`` (a token partition observing in a Ray actor, the driver summing): per addition the names
+    sharing the sum, the float32 product ``x^T x`` (the rows themselves above FLOAT64_MAX_K, where the sum
+    is accumulated in place) and the token count. No K x K sum is held here."""
+
+    def __init__(self, want: Iterable[str]):
+        super().__init__()
+        self.want(want)
+        self._added: list[tuple[int, torch.Tensor, int]] = []
+
+    def _new(self, K: int, device) -> int:
+        key, self._next = self._next, self._next + 1
+        self._n[key] = 0
+        return key
+
+    def _add(self, name: str, key: int, xf: torch.Tensor) -> None:
+        payload = (xf.t() @ xf) if xf.shape[1] <= FLOAT64_MAX_K else xf.clone()
+        self._added.append((key, payload, xf.shape[0]))
+
+    @property
+    def records(self) -> list[tuple[tuple[str, ...], torch.Tensor, int]]:
+        names: dict[int, list[str]] = {}
+        for name, key in self._key.items():
+            names.setdefault(key, []).append(name)
+        return [(tuple(sorted(names[key])), payload, n) for key, payload, n in self._added]
 
 
 def add_gram(acc: torch.Tensor, xf: torch.Tensor) -> None:

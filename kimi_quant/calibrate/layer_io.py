@@ -74,6 +74,15 @@ class Readback:
         self._readers: dict[str, SafetensorsReader] = {}
 
     def __call__(self, rel: str) -> torch.Tensor | None:
+        hit = self.written(rel)
+        return None if hit is None else dequantized(*hit)
+
+    def names(self) -> list[str]:
+        """The relative names of the quantized tensors it reads back."""
+        return list(self._where)
+
+    def written(self, rel: str) -> tuple[TensorPlan, dict[str, np.ndarray]] | None:
+        """``rel``'s plan and its tensors as written (the codec's parts), or None if it is not quantized here."""
         hit = self._where.get(rel)
         if hit is None:
             return None
@@ -84,7 +93,7 @@ class Readback:
         for name, _, _ in t.outputs:
             parts[name[len(base) + 1:]] = np.array(r.array(name), copy=True)
             r.release(name)
-        return dequantized(t, parts)
+        return t, parts
 
     def close(self) -> None:
         for r in self._readers.values():

@@ -66,12 +66,13 @@ from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
 from .config import MIN_TOKENS, CalibConfig, windows_per_pass
 from .device import DeviceWeights, full_float32, states_to, synchronize, torch_device
+from .token_parts import LocalForward
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
 from .phases import Phases
 from .routed import RoutedExpert, Routing
 from .state import STATE_FILE, load_state, save_state, state_binding
-from .layer_io import Overlay, Readback, SourceWeights, UnitWriter, dequantized
+from .layer_io import Readback, SourceWeights, UnitWriter, dequantized
 from .layered import ATTENTION, EXPERTS, GLOBAL, MLP, layer_of, layered_plan, relative_name, stage_of, units_by_layer
 
 ROLES = {ATTENTION: "attention", MLP: "mlp", EXPERTS: "expert"}  # a GPTQ job's role, by stage
@@ -334,7 +335,7 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
         if r.todo:
             with make_runner(opts.executor, opts.workers, opts.executor_options, cfg.device) as quant.runner:
                 layers_done = _run_layers(tcfg, source, plan, windows, out_dir, journal, r, quant, weights, bar,
-                                          binding, spec)
+                                          binding, spec, _forward_of(tcfg, opts, quant))
     finally:
         bar.close()
         weights.close()
@@ -349,11 +350,23 @@ def run_calibrated(source, plan: Plan, windows: list[torch.Tensor], out_dir: Pat
                          sum(u.in_bytes for u in r.todo), source.peak_staged_bytes, info)
 
 
+def _forward_of(tcfg, opts, quant: _Quantizer):
+    """Where the forward runs: with Ray, on the CPU and over more than one pass of ``PASS_TOKENS``, each pass in a
+    Ray actor of its own (``ray_forward``: data-parallel, the same bytes); else in this process."""
+    def of(states: list):
+        if opts.executor == "ray" and quant.device.type == "cpu" and len(states) > 1 \
+                and quant.cfg.propagate == "quantized":
+            from .ray_forward import RayForward
+
+            return RayForward(tcfg, states, quant.phases, quant.forward_threads)
+        return LocalForward(tcfg, states, quant.device, quant.phases)
+    return of
+
+
 def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, quant: _Quantizer,
-                weights: SourceWeights, bar, binding: str, spec) -> int:
-    """Every layer still to do, from the saved state if there is one, then the globals; the layers run."""
-    cfg: CalibConfig = quant.cfg
-    n_layers = tcfg.num_hidden_layers
+                weights: SourceWeights, bar, binding: str, spec, forward_of) -> int:
+    """Every layer still to do, from the saved state if there is one, then the globals; the layers run.
+    ``forward_of(states)``: where the forward runs over them (``token_parts``)."""
     by_layer = units_by_layer(plan, spec)
     resumed = load_state(out_dir, binding, windows)
     start, states = 0, None
@@ -369,6 +382,18 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
             gw = DeviceWeights(gw, quant.device)
             states = [fw.embed(gw, b.to(quant.device)) for b in windows]
         del gw
+    fwd = forward_of(states)
+    del states, resumed  # fwd holds them (another process may)
+    try:
+        return _layers_from(start, tcfg, source, plan, out_dir, journal, r, quant, weights, bar, binding, spec, fwd)
+    finally:
+        fwd.close()
+
+
+def _layers_from(start: int, tcfg, source, plan: Plan, out_dir: Path, journal, r, quant: _Quantizer,
+                 weights: SourceWeights, bar, binding: str, spec, fwd) -> int:
+    n_layers = tcfg.num_hidden_layers
+    by_layer = units_by_layer(plan, spec)
     source.prefetch(plan.source_order())
     last_use = _last_use(plan, spec, n_layers)
     for i in range(start, n_layers):
@@ -376,16 +401,16 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
         writer = UnitWriter(out_dir, by_layer.get(i, []), journal, r.made_from, weights, bar.update)
         try:
             with quant.phases("layers"):  # what the phases inside leave out: Python, the weights' reads
-                states = _layer(tcfg, i, weights, states, writer, quant, cfg, out_dir, by_layer.get(i, []), spec)
+                _layer(tcfg, i, weights, fwd, writer, quant, quant.cfg, out_dir, by_layer.get(i, []), spec)
         except BaseException:
             writer.abort()
             raise
         with quant.phases("state"):
-            save_state(out_dir, binding, i, states, quant.stats, quant.expert_tokens)
+            save_state(out_dir, binding, i, fwd.states, quant.stats, quant.expert_tokens)
         _release(source, weights, last_use, i)
     writer = UnitWriter(out_dir, by_layer.get(GLOBAL, []), journal, r.made_from, weights, bar.update)
     try:
-        _globals(tcfg, weights, states, writer, quant, spec)
+        _globals(tcfg, weights, fwd, writer, quant, spec)
     except BaseException:
         writer.abort()
         raise
@@ -415,9 +440,9 @@ def _release(source, weights: SourceWeights, last_use: dict[str, int], layer: in
             source.release(f)
 
 
-def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWriter, quant: _Quantizer,
-           cfg: CalibConfig, out_dir: Path, units: list[UnitPlan], spec) -> list:
-    """Quantize and write layer i; return the state after it."""
+def _layer(tcfg, i: int, weights: SourceWeights, fwd, writer: UnitWriter, quant: _Quantizer,
+           cfg: CalibConfig, out_dir: Path, units: list[UnitPlan], spec) -> None:
+    """Quantize and write layer i; ``fwd`` (``token_parts``) then holds the state after it."""
     w_src, _ = weights.layer(i)
     w = DeviceWeights(w_src, quant.device)  # what the forward reads: on its device
     tensors = [t for u in units for t in u.tensors]
@@ -428,7 +453,6 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     propagate = cfg.propagate == "quantized"
     act = {rel[t.name]: REGISTRY[t.scheme].activation for t in tensors if t.scheme != FLOAT and propagate}
     coll = HessianCollector()
-    observer = quant.phases.observer(coll)
     deq: dict[str, torch.Tensor] = {}
 
     def emit(ts: list[TensorPlan], experts: dict[str, RoutedExpert] | None = None) -> None:
@@ -446,19 +470,18 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
 
     # 1. attention side: Hessians from the incoming state, then quantize, then re-run it as quantized
     coll.want(quantized(by_stage[ATTENTION]))
-    with quant.forward(), fw.observe_linear_inputs(observer):
-        parts = fw.layers_attention(tcfg, i, w, states)
+    with quant.forward():
+        fwd.attention(i, w, coll)
     emit(by_stage[ATTENTION])
     if propagate and deq:
         with quant.forward():
-            parts = fw.layers_attention(tcfg, i, DeviceWeights(Overlay(w, deq), quant.device), states, act)
+            fwd.attention(i, w, None, deq, act)
     # 2. the MLP: its non-routed Linears from one pass, which also gives the routed experts' input and the
     # router's choice; each routed expert is a job of its own that forms its Hessians from its rows
     coll.want(quantized(by_stage[MLP]))
-    batches: list = []
-    with quant.forward(), fw.observe_linear_inputs(observer):
+    with quant.forward():
         # the routed experts themselves run here only for a BF16-propagated output (their jobs observe them)
-        out_bf16 = fw.layers_mlp(tcfg, i, w, parts, experts=set() if propagate else None, routing=batches)
+        batches = fwd.mlp(i, w, coll, propagate)
     experts = _routed_experts(tcfg, by_stage[EXPERTS], stage, Routing(batches), quant, cfg, w_src, rel)
     # handed out a batch of experts at a time: the driver holds the weights of at most that many jobs
     order = sorted({stage[t.name][1] for t in by_stage[EXPERTS]})
@@ -470,12 +493,12 @@ def _layer(tcfg, i: int, weights: SourceWeights, states: list, writer: UnitWrite
     if writer.next_tensor() is not None:
         raise RuntimeError(f"layer {i}: {writer.next_tensor().name} was never written")
     if not propagate:
-        return out_bf16
+        return
     # 3. the layer's output as the device will compute it: dequantized weights, activation fake-quant
     readback = Readback(out_dir, units, spec)
     try:
         with quant.forward():
-            return fw.layers_mlp(tcfg, i, DeviceWeights(Overlay(w, deq, readback), quant.device), parts, act)
+            fwd.output(i, w, deq, readback, act)
     finally:
         readback.close()
 
@@ -524,7 +547,7 @@ def holds_mxfp4_values(t: TensorPlan, w) -> bool:
     return bool(t.packed) or on_mxfp4_grid(w)
 
 
-def _globals(tcfg, weights: SourceWeights, states: list, writer: UnitWriter, quant: _Quantizer, spec) -> None:
+def _globals(tcfg, weights: SourceWeights, fwd, writer: UnitWriter, quant: _Quantizer, spec) -> None:
     """Embedding, final norms, lm_head (GPTQ from the final state if it is quantized), vision: last."""
     tensors = writer.remaining()
     coll = HessianCollector()
@@ -532,10 +555,8 @@ def _globals(tcfg, weights: SourceWeights, states: list, writer: UnitWriter, qua
     if wanted:
         coll.want(wanted)
         gw, gact = weights.globals(HEAD_NAMES)
-        with quant.forward(), fw.observe_linear_inputs(quant.phases.observer(coll)):
-            gw = DeviceWeights(gw, quant.device)
-            for st in states:
-                fw.head(tcfg, gw, st)
+        with quant.forward():
+            fwd.head(DeviceWeights(gw, quant.device), coll)
         del gw
     rel = {t.name: relative_name(spec, t.name) for t in tensors}
     given = {t.name: (lambda n=rel[t.name]: coll.hessian(n)) for t in tensors
