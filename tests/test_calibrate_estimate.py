@@ -260,3 +260,28 @@ def test_the_forward_runs_in_passes_of_at_most_pass_tokens(tiny_a3, tmp_path, mo
                                                calibrate=CalibConfig(tokens=2048)))
     assert res.calibration["windows"] == 4 and res.calibration["stats"]["gptq_tensors"] > 0
     verify_output(out)
+
+
+def test_with_ray_the_forward_of_more_passes_is_spread_over_actors_and_their_memory_stated(tiny_a3, monkeypatch):
+    """plan models the data-parallel forward as the run does it (``config.partitions``: one Ray actor per pass, on
+    the CPU): the forward's core-seconds over the actors' cores (at most the cluster's), the driver holding a
+    layer's routed experts as written for them, each actor its pass's state, forward and weights."""
+    from kimi_quant.calibrate import config as calib_config
+
+    _, plan, spec = tiny_a3
+    monkeypatch.setattr(calib_config, "PASS_TOKENS", 512)
+    cfg = CalibConfig(tokens=2048)
+    assert calib_config.passes(cfg) == 4
+    assert [calib_config.partitions(c, x) for c, x in ((cfg, "ray"), (cfg, "local"), (CalibConfig(tokens=512), "ray"),
+                                                       (CalibConfig(tokens=2048, device="cuda"), "ray"))] == [4, 1, 1, 1]
+    local = est.estimate(plan, spec, cfg, workers=64, executor="local", driver_cores=8)
+    ray = est.estimate(plan, spec, cfg, workers=64, executor="ray", driver_cores=8)
+    assert local["forward_partitions"] == 1 and local["partition_memory_bytes"] == 0
+    assert ray["forward_partitions"] == 4 and ray["forward_core_h"] == pytest.approx(local["forward_core_h"], rel=0.2)
+    assert local["forward_s"] * 8 == pytest.approx(local["forward_core_h"] * 3600)  # the driver's 8 threads
+    assert ray["forward_s"] * 32 == pytest.approx(ray["forward_core_h"] * 3600)  # 4 actors x 8, within 64 cores
+    few = est.estimate(plan, spec, cfg, workers=16, executor="ray", driver_cores=8)
+    assert few["forward_s"] * 16 == pytest.approx(few["forward_core_h"] * 3600)  # the cluster's 16 cores bound them
+    written = ray["driver_memory"]["written_experts"]
+    assert written > 0 and ray["driver_memory_bytes"] == pytest.approx(local["driver_memory_bytes"] + written, rel=0.2)
+    assert written / 2 < ray["partition_memory_bytes"] < ray["driver_memory_bytes"]

@@ -241,15 +241,31 @@ def test_ray_with_two_workers_writes_the_same_bytes(cluster, serial, source, tmp
     assert cluster.is_initialized()  # a cluster it joined is left running
 
 
-def test_ray_forward_over_token_passes_writes_the_same_bytes(cluster, source, tmp_path, monkeypatch):
+PASSES = 4  # calibration passes of the data-parallel tests: windows of TOKENS / 4, one per pass
+
+
+@pytest.fixture
+def in_passes(monkeypatch):
+    """Within a test: PASSES passes of the calibration tokens (``convert`` in this process)."""
+    from kimi_quant.calibrate import config as calib_config
+
+    monkeypatch.setattr(calib_config, "PASS_TOKENS", TOKENS // PASSES)
+    return lambda source, out, **k: _convert(source, out, seq_len=TOKENS // PASSES, **k)
+
+
+@pytest.fixture
+def local_passes(in_passes, source, tmp_path) -> Path:
+    out = tmp_path / "local"
+    in_passes(source, out, workers=1)
+    return out
+
+
+def test_ray_forward_over_token_passes_writes_the_same_bytes(cluster, source, tmp_path, monkeypatch, in_passes,
+                                                             local_passes):
     """With more tokens than one pass, Ray runs the forward data-parallel: each pass in an actor of its own, its
     Hessians replayed into the driver's sums in pass order. The bytes are those of the forward in the driver."""
-    from kimi_quant.calibrate import config as calib_config
     from kimi_quant.calibrate import ray_forward
 
-    monkeypatch.setattr(calib_config, "PASS_TOKENS", TOKENS // 4)  # 4 windows of 256, 4 passes (3 sums in order)
-    local = tmp_path / "local"
-    _convert(source, local, workers=1, seq_len=TOKENS // 4)
     made = []
     real = ray_forward.RayForward
 
@@ -260,10 +276,24 @@ def test_ray_forward_over_token_passes_writes_the_same_bytes(cluster, source, tm
 
     monkeypatch.setattr(ray_forward, "RayForward", Counted)
     out = tmp_path / "ray"
-    _convert(source, out, workers=2, executor="ray", seq_len=TOKENS // 4)
-    assert made == [4]
-    assert snapshot(out) == snapshot(local)
+    in_passes(source, out, workers=2, executor="ray")
+    assert made == [PASSES]
+    assert snapshot(out) == snapshot(local_passes)
     verify_output(out)
+
+
+def test_a_lost_forward_actor_stops_the_run_in_one_line_and_a_rerun_gives_the_same_bytes(cluster, source, tmp_path,
+                                                                                         in_passes, local_passes):
+    """A forward actor killed (as its node dying would lose it): one line naming the pass and the way on; the same
+    command again finishes to the bytes of an undisturbed run."""
+    out = tmp_path / "ray"
+    with kill_the_first("ray::_Passes.mlp") as killed, pytest.raises(KimiQuantError) as e:
+        in_passes(source, out, workers=2, executor="ray")
+    assert len(killed) == 1
+    msg = str(e.value)
+    assert "Ray actor holding calibration pass" in msg and "run the same command again" in msg and "\n" not in msg
+    in_passes(source, out, workers=2, executor="ray")
+    assert snapshot(out) == snapshot(local_passes)
 
 
 def test_ray_failing_job_is_one_line(cluster):

@@ -72,3 +72,15 @@ class CalibConfig:
 def windows_per_pass(seq_len: int) -> int:
     """Calibration windows of ``seq_len`` tokens the forward runs at once (``PASS_TOKENS``; at least one)."""
     return max(1, PASS_TOKENS // max(1, seq_len))
+
+
+def passes(cfg: CalibConfig) -> int:
+    """The forward's passes over the calibration tokens (``PASS_TOKENS`` each, in whole windows)."""
+    return -(-max(1, cfg.tokens // cfg.seq_len) // windows_per_pass(cfg.seq_len))
+
+
+def partitions(cfg: CalibConfig, executor: str) -> int:
+    """The Ray actors the calibrated forward runs in (``ray_forward``): one per pass with Ray on the CPU (the
+    quantized state propagated), else 1: the driver."""
+    n = passes(cfg)
+    return n if executor == "ray" and cfg.device == "cpu" and cfg.propagate == "quantized" and n > 1 else 1

@@ -31,13 +31,14 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
 from ..plan import Plan
 from ..recipe.recipe import FLOAT
-from .config import CalibConfig, windows_per_pass
+from .config import PASS_TOKENS, CalibConfig, partitions, passes, windows_per_pass
 from .hessian import hessian_bytes
 from .layered import EXPERTS, GLOBAL, MLP, stage_of
 
@@ -389,7 +390,7 @@ def machine_memory_bytes() -> int:
 
 
 def _memory(spec, cfg: CalibConfig, jobs: dict, hess: dict, nonexpert: dict, expert_w: int, rows: float,
-            gptq_workers: int, local_workers: int) -> dict:
+            gptq_workers: int, local_workers: int, written: int = 0) -> dict:
     """{driver: ``driver_bytes``, worker: the largest job's bytes, worker_shape: its largest Linear's [N, K], peak:
     the driver with ``local_workers`` of a stage's largest jobs held beside it on this machine (every local worker
     process holds its job, also when there are more processes than cores)}."""
@@ -404,6 +405,8 @@ def _memory(spec, cfg: CalibConfig, jobs: dict, hess: dict, nonexpert: dict, exp
     held = lambda j: j.source_bytes + (4 * rows * j.members[0][3] if j.expert else 0)  # noqa: E731 (+ its rows)
     in_flight = max((sum(sorted((held(j) for j in js), reverse=True)[:window]) for js in jobs.values()), default=0)
     driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h, int(in_flight))
+    if written:  # forward actors: the layer's routed experts as written, read here and put in the object store
+        driver = {**driver, "written_experts": 2 * written, "total": driver["total"] + 2 * written}
     size = lambda j: job_bytes(j.members, rows if j.expert else 0)  # noqa: E731
     biggest = max((j for js in jobs.values() for j in js), key=size, default=None)
     shape = max(biggest.members, key=lambda m: m[2] * m[3])[2:] if biggest else (0, 0)
@@ -437,11 +440,13 @@ def memory(plan: Plan, spec, cfg: CalibConfig, executor: str = "local") -> Calla
     driver)}."""
     linears = _linears(plan, spec)
     rows = _expert_rows(spec.text, cfg) if spec.text.num_experts else 0.0
+    written = _written_experts_bytes(plan, spec) if partitions(cfg, executor) > 1 else 0
 
     def for_workers(workers: int) -> dict:
         jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, spec.text, cfg, cfg.experts_per_stage(workers))
         return _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows,
-                       _gptq_workers(workers, executor, os.cpu_count() or 1), workers if executor == "local" else 0)
+                       _gptq_workers(workers, executor, os.cpu_count() or 1), workers if executor == "local" else 0,
+                       written)
 
     return for_workers
 
@@ -506,8 +511,8 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     bf16 = cfg.propagate != "quantized"
     for tp, N, K, layer, stage, _, shares in linears:
         share = k / E if stage == EXPERTS else 1.0
-        passes = 1.0 if layer == GLOBAL or stage == EXPERTS or bf16 else 2.0
-        fwd_flops += 2 * N * K * share * passes * T
+        runs = 1.0 if layer == GLOBAL or stage == EXPERTS or bf16 else 2.0
+        fwd_flops += 2 * N * K * share * runs * T
     for keys in hess.values():
         for key, K in keys.items():
             hess_flops += 2 * K * K * T
@@ -521,21 +526,26 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     if kda_layers:
         d, C = t.kda_head_dim, 64
         attn_s_1 += kda_layers * T * t.kda_num_heads * (6 * d * (d + C) / fp32 + KDA_PASSES * (d + C) * elem_s)
-    passes = -(-windows // windows_per_pass(cfg.seq_len))  # the forward's passes over the tokens (PASS_TOKENS)
-    ops = passes * (layers * 4 * OPS_PER_LAYER_PASS
-                    + (layers - t.first_k_dense_replace) * min(E, T * k // passes) * OPS_PER_EXPERT)
+    n_passes = passes(cfg)
+    ops = n_passes * (layers * 4 * OPS_PER_LAYER_PASS
+                      + (layers - t.first_k_dense_replace) * min(E, T * k // n_passes) * OPS_PER_EXPERT)
     fwd_s_1 = fwd_flops / fp32 + 2 * attn_s_1 + ops * op_s
     hess_s_1 = hess_flops / fp32
-    forward_wall = (fwd_s_1 + hess_s_1) / threads
+    parts = partitions(cfg, executor)
+    forward_wall = (fwd_s_1 + hess_s_1) / _forward_cores(parts, threads, workers)
     startup = STARTUP_S.get(executor, STARTUP_S["local"])
     wall = startup + forward_wall + gptq_wall
 
-    mem = _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows, gptq_workers, workers if executor == "local" else 0)
+    written = _written_experts_bytes(plan, spec) if parts > 1 else 0
+    mem = _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows, gptq_workers, workers if executor == "local" else 0,
+                  written)
     driver = mem["driver"]
+    part_mem = _partition_bytes(spec, cfg, max(nonexpert.values(), default=0)) + written if parts > 1 else 0
     return {"hours": wall / 3600, "wall_seconds": wall, "workers": workers, "executor": executor,
             "driver_cores": driver_cores,
             "gptq_workers": gptq_workers, "driver_threads": threads, "startup_s": startup,
-            "forward_s": fwd_s_1 / threads, "hessian_s": hess_s_1 / threads, "gptq_s": gptq_wall,
+            "forward_s": fwd_s_1 / _forward_cores(parts, threads, workers),
+            "hessian_s": hess_s_1 / _forward_cores(parts, threads, workers), "gptq_s": gptq_wall,
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
             "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
             "forward_gflop": fwd_flops / 1e9, "hessian_gflop": hess_flops / 1e9, "job_gflop": job_gflop,
@@ -546,4 +556,29 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
             "driver_memory_bytes": driver["total"], "driver_memory": driver,
             "worker_memory_bytes": mem["worker"], "worker_memory_tensor_shape": mem["worker_shape"],
             "memory_bytes": mem["peak"],
-            "device": cfg.device, "rates_from": "cpu", "device_memory_bytes": mem["device"]}
+            "device": cfg.device, "rates_from": "cpu", "device_memory_bytes": mem["device"],
+            "forward_partitions": parts, "partition_memory_bytes": part_mem}
+
+
+def _forward_cores(parts: int, threads: int, workers: int) -> int:
+    """The cores the forward runs on: the driver's threads, or with partitions each actor's (as many as the
+    driver's), at most the cluster's cores (``workers``)."""
+    return threads if parts <= 1 else max(threads, min(parts * threads, workers))
+
+
+def _partition_bytes(spec, cfg: CalibConfig, layer_weights: int) -> int:
+    """One forward actor's resident bytes at its peak, beside the layer's routed experts as written (sent whole
+    through the object store, dequantized one at a time): the state and forward transient of its pass and one
+    layer's non-expert weights (``driver_bytes`` for one pass's tokens)."""
+    d = driver_bytes(spec, replace(cfg, tokens=min(cfg.tokens, PASS_TOKENS)), layer_weights, 0, 0)
+    return d["weights"] + d["state"] + d["forward"] + d["base"]
+
+
+def _written_experts_bytes(plan: Plan, spec) -> int:
+    """The largest layer's routed experts as written."""
+    written: dict[int, int] = {}
+    for tp in plan.tensors():
+        role = spec.role(tp.name)
+        if role.expert is not None and role.layer is not None:
+            written[role.layer] = written.get(role.layer, 0) + tp.out_bytes
+    return max(written.values(), default=0)

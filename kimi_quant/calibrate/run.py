@@ -64,7 +64,7 @@ from ..recipe.recipe import FLOAT
 from ..runtime import forward as fw
 from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
-from .config import MIN_TOKENS, CalibConfig, windows_per_pass
+from .config import MIN_TOKENS, CalibConfig, partitions, windows_per_pass
 from .device import DeviceWeights, full_float32, states_to, synchronize, torch_device
 from .token_parts import LocalForward
 from .hessian import HessianCollector
@@ -354,8 +354,7 @@ def _forward_of(tcfg, opts, quant: _Quantizer):
     """Where the forward runs: with Ray, on the CPU and over more than one pass of ``PASS_TOKENS``, each pass in a
     Ray actor of its own (``ray_forward``: data-parallel, the same bytes); else in this process."""
     def of(states: list):
-        if opts.executor == "ray" and quant.device.type == "cpu" and len(states) > 1 \
-                and quant.cfg.propagate == "quantized":
+        if partitions(quant.cfg, opts.executor) > 1:  # as plan counts them
             from .ray_forward import RayForward
 
             return RayForward(tcfg, states, quant.phases, quant.forward_threads)

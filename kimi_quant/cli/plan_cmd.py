@@ -160,8 +160,10 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
                                                 if e["gptq_workers"] < e["workers"] else ""))
     d = e["driver_memory"]
     return [f"calibrate ~{fmt_duration(e['wall_seconds'])} on {where}: start-up {fmt_duration(e['startup_s'])}, "
-            f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (layer by layer between the GPTQ stages, on the driver's "
-            f"{e['driver_threads']} threads), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
+            f"forward {fmt_duration(e['forward_s'])} + Hessians {fmt_duration(e['hessian_s'])} (layer by layer between the GPTQ stages, "
+            + (f"on the driver's {e['driver_threads']} threads" if e["forward_partitions"] <= 1 else
+               f"data-parallel: each of {e['forward_partitions']} passes in a Ray actor of {e['driver_threads']} threads")
+            + f"), GPTQ {fmt_duration(e['gptq_s'])} (each stage's jobs spread over the "
             f"workers, at most {e['max_parallel_jobs']} at once; a routed expert is one job that forms its own "
             f"Hessians, --expert-batch {e['experts_per_stage']} of them per stage); {cal.tokens} tokens" + _expert_tokens(e),
             f"         measured here: fp32 {e['fp32_gflops']:.0f} GFLOP/s per core, {e['op_us']:.0f} us per torch op; "
@@ -172,8 +174,12 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             f"[{e['worker_memory_tensor_shape'][0]}, {e['worker_memory_tensor_shape'][1]}]), "
             f"~{fmt_size(e['driver_memory_bytes'])} driver (state of {cal.tokens} tokens {fmt_size(d['state'])}, forward "
             f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])}, jobs "
-            f"handed out {fmt_size(d['jobs'])})"
+            f"handed out {fmt_size(d['jobs'])}"
+            + (f", a layer's routed experts as written for the forward actors {fmt_size(d['written_experts'])}"
+               if d.get("written_experts") else "") + ")"
             + (f", ~{fmt_size(e['memory_bytes'])} peak on this machine" if e["executor"] == "local" else "")
+            + (f", ~{fmt_size(e['partition_memory_bytes'])} per forward actor (its pass's state and forward, a layer's "
+               "weights and its routed experts as written)" if e["forward_partitions"] > 1 else "")
             + _over_memory(e)
             + "; shards are cut at layer boundaries"] + _device_lines(e)
 
