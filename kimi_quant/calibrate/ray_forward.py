@@ -9,8 +9,9 @@ order, and the routed experts' rows come back per pass, as the driver would have
 jobs and the bytes are those of a run with the forward in the driver. So more calibration tokens cost more
 machines, not more hours in the driver. The driver still gathers the state after each layer, to checkpoint it.
 
-An actor that is lost (its node died) stops the run with one line; the same command resumes from the last layer
-checkpointed.
+An actor that is lost (its node died) is ``token_parts.PartitionLost``: the driver says so in one line and redoes
+the layer from the last one checkpointed, in new actors (the same bytes; after ``MAX_RETRIES`` losses the run
+stops, and the same command resumes it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..runtime import forward as fw
 from ..runtime.weights import ROUTED_EXPERT
 from .hessian import HessianCollector, Recorder
 from .layer_io import Overlay, dequantized
-from .token_parts import TokenPart
+from .token_parts import PartitionLost, TokenPart
 
 import ray  # noqa: E402 - after ray_executor, which turns a missing Ray into one line
 
@@ -111,9 +112,8 @@ class RayForward:
                                      f"actor: {type(cause).__name__}: {one_line(cause)}") from e
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.NodeDiedError) as e:
-                raise KimiQuantError(f"the Ray actor holding calibration pass {k + 1} of {len(refs)} was lost "
-                                     f"({type(e).__name__}: {one_line(e)}); run the same command again to resume "
-                                     "from the last layer done") from e
+                raise PartitionLost(f"the Ray actor holding calibration pass {k + 1} of {len(refs)} was lost "
+                                    f"({type(e).__name__}: {one_line(e)})") from e
 
     def _weights(self, i: int, w: Mapping):
         """Layer i's non-expert weights, put in the object store once for the layer."""

@@ -66,7 +66,7 @@ from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
 from .config import MIN_TOKENS, CalibConfig, partitions, windows_per_pass
 from .device import DeviceWeights, full_float32, states_to, synchronize, torch_device
-from .token_parts import LocalForward
+from .token_parts import LocalForward, PartitionLost
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
 from .phases import Phases
@@ -365,35 +365,59 @@ def _forward_of(tcfg, opts, quant: _Quantizer):
 def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, quant: _Quantizer,
                 weights: SourceWeights, bar, binding: str, spec, forward_of) -> int:
     """Every layer still to do, from the saved state if there is one, then the globals; the layers run.
-    ``forward_of(states)``: where the forward runs over them (``token_parts``)."""
+    ``forward_of(states)``: where the forward runs over them (``token_parts``). A part of the forward lost with
+    its process (``PartitionLost``) is said in one line and the run goes on from the last layer checkpointed."""
+    from ..executor.ray_executor import MAX_RETRIES
+
     by_layer = units_by_layer(plan, spec)
+    pending = {L for L, us in by_layer.items() if any(u.file not in r.done for u in us)}  # before this run
+    fresh = dict(quant.stats), list(quant.expert_tokens)
+    source.prefetch(plan.source_order())
+    first, lost = None, 0
+    while True:
+        start, states = _starting_point(windows, out_dir, binding, quant, weights, pending, fresh)
+        first = start if first is None else first
+        pending = set()  # what is checkpointed from now on was written by this run
+        fwd = forward_of(states)
+        del states  # fwd holds them (another process may)
+        try:
+            _layers_from(start, tcfg, source, plan, out_dir, journal, r, quant, weights, bar, binding, spec, fwd)
+            return tcfg.num_hidden_layers - first
+        except PartitionLost as e:
+            lost += 1
+            if lost > MAX_RETRIES:
+                raise KimiQuantError(f"{e}; it was lost {lost} times: run the same command again to resume from "
+                                     "the last layer done") from e
+            log.warning("kimi-quant: warning: %s; redoing the work since the last layer checkpointed (attempt %d of "
+                        "%d)", e, lost + 1, MAX_RETRIES + 1)
+        finally:
+            fwd.close()
+
+
+def _starting_point(windows, out_dir: Path, binding: str, quant: _Quantizer, weights: SourceWeights,
+                    pending: set[int], fresh: tuple[dict, list]) -> tuple[int, list]:
+    """(the first layer to do, the state before it): from the checkpoint, with the run's counts then, if there is
+    one and no layer up to its own has output shards still to do (``pending``), else from the embedding, with the
+    counts of a run that starts (``fresh``)."""
     resumed = load_state(out_dir, binding, windows)
-    start, states = 0, None
     if resumed is not None:
         layer, saved, stats, expert_tokens = resumed
-        if all(u.file in r.done for L in range(layer + 1) for u in by_layer.get(L, [])):
-            start, states = layer + 1, states_to(saved, quant.device)
+        if not any(0 <= L <= layer for L in pending):
             quant.stats.update((k, v) for k, v in stats.items() if k in quant.stats)
             quant.expert_tokens = expert_tokens
-    if states is None:
-        gw, _ = weights.globals(EMBED_NAMES)
-        with quant.forward():
-            gw = DeviceWeights(gw, quant.device)
-            states = [fw.embed(gw, b.to(quant.device)) for b in windows]
-        del gw
-    fwd = forward_of(states)
-    del states, resumed  # fwd holds them (another process may)
-    try:
-        return _layers_from(start, tcfg, source, plan, out_dir, journal, r, quant, weights, bar, binding, spec, fwd)
-    finally:
-        fwd.close()
+            return layer + 1, states_to(saved, quant.device)
+    quant.stats, quant.expert_tokens = dict(fresh[0]), list(fresh[1])
+    gw, _ = weights.globals(EMBED_NAMES)
+    with quant.forward():
+        gw = DeviceWeights(gw, quant.device)
+        return 0, [fw.embed(gw, b.to(quant.device)) for b in windows]
 
 
 def _layers_from(start: int, tcfg, source, plan: Plan, out_dir: Path, journal, r, quant: _Quantizer,
-                 weights: SourceWeights, bar, binding: str, spec, fwd) -> int:
+                 weights: SourceWeights, bar, binding: str, spec, fwd) -> None:
+    """Layers ``start``.. with ``fwd`` holding the state before ``start``, each checkpointed; then the globals."""
     n_layers = tcfg.num_hidden_layers
     by_layer = units_by_layer(plan, spec)
-    source.prefetch(plan.source_order())
     last_use = _last_use(plan, spec, n_layers)
     for i in range(start, n_layers):
         bar.set_postfix_str(f"layer {i + 1}/{n_layers}", refresh=True)  # the layer being worked on, 1-based
@@ -413,7 +437,6 @@ def _layers_from(start: int, tcfg, source, plan: Plan, out_dir: Path, journal, r
     except BaseException:
         writer.abort()
         raise
-    return n_layers - start
 
 
 def _previous_stats(out_dir: Path) -> dict | None:

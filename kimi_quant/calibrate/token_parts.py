@@ -18,10 +18,16 @@ from contextlib import nullcontext
 
 import torch
 
+from ..errors import KimiQuantError
 from ..runtime import forward as fw
 from .device import DeviceWeights
 from .hessian import HessianCollector
 from .layer_io import Overlay
+
+
+class PartitionLost(KimiQuantError):
+    """A part of the forward's state was lost with the process holding it (a Ray actor whose node died): the
+    driver redoes the layer from the last one checkpointed."""
 
 
 class TokenPart:
