@@ -24,10 +24,11 @@ Linears of a stage (the attention side; the MLP's non-routed Linears with the fi
 arrive. A routed expert is one job (``routed.RoutedExpert``, ``jobs.ExpertJob``): the driver's forward gives it
 the token rows the router sends it (every token for ``--expert-tokens all``, or an under-routed expert holding
 MXFP4 values), and the job forms its Hessians and w2's input itself, with the driver's arithmetic, so that share
-of the forward runs on the workers, in parallel. The forward and the other Hessians run here, between the stages
-(no GPTQ job outstanding), on the cores the run was given (``forward_threads``: torch's intra-op threads; one
-thread while jobs run). Its products give the same bits on any number of threads, so the bytes do not depend on
-it either. With ``--device cuda|npu`` the forward, its states and the Hessians formed here live on that device
+of the forward runs on the workers, in parallel. The forward and the other Hessians run between the stages
+(no GPTQ job outstanding): here, on the cores the run was given (``forward_threads``: torch's intra-op threads;
+one thread while jobs run), or with ``--executor ray`` and more than one pass of tokens data-parallel, each pass
+in a Ray actor (``ray_forward``), its Hessian terms replayed here in pass order. Its products give the same bits
+on any number of threads and in any process, so the bytes do not depend on it either. With ``--device cuda|npu`` the forward, its states and the Hessians formed here live on that device
 (``device.py``; ``--device cpu`` takes the same path); a routed expert's job forms its Hessians on the CPU.
 
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
