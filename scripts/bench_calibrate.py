@@ -8,7 +8,10 @@ over the first. The outputs must be byte-identical: the script checks it. The lo
 before and after: on a shared machine a ratio measured at a load above the core count says little.
 
     python scripts/bench_calibrate.py [--experts 32] [--workers 1,2] [--tokens 512] [--target a3] [--dir DIR]
-                                      [--phases] [--repeat N] [--expert-tokens routed|all]
+                                      [--phases] [--repeat N] [--expert-tokens routed|all] [--executors local,ray]
+
+``--executors local,ray``: each worker count on each executor (Ray: a local cluster the run starts; with more
+tokens than one pass of 8192 its forward runs data-parallel in Ray actors), the same bytes required.
 
 ``--phases``: also where each run's time went (calibrate/phases.py: the driver's exclusive wall seconds in its
 forward, Hessians, GPTQ (in the driver with 1 worker, else waiting for the workers), reads and writes;
@@ -56,8 +59,9 @@ def main() -> int:
     ap.add_argument("--phases", action="store_true", help="print where each run's time went")
     ap.add_argument("--repeat", type=int, default=1, help="runs per worker count, interleaved; the best counts [1]")
     ap.add_argument("--expert-tokens", default="routed", choices=("routed", "all"))
+    ap.add_argument("--executors", default="local", help="comma-separated executors, local and/or ray [local]")
     args = ap.parse_args()
-    counts = [int(w) for w in args.workers.split(",")]
+    counts = [(x, int(w)) for x in args.executors.split(",") for w in args.workers.split(",")]
     base = args.dir or Path(tempfile.mkdtemp(prefix="kq-bench-cal-"))
     src = bench_checkpoint(base, args.experts)
     print(f"checkpoint {src} ({sum(p.stat().st_size for p in src.iterdir()) / 1e9:.2f} GB, {args.experts} experts), "
@@ -74,7 +78,7 @@ def main() -> int:
     best = {w: min(r[1] for r in rows if r[0] == w) for w in counts}
     w0 = counts[0]
     for w in counts[1:]:
-        print(f"speed-up {w} workers over {w0}: {best[w0] / best[w]:.2f}x"
+        print(f"speed-up {_name(w)} over {_name(w0)}: {best[w0] / best[w]:.2f}x"
               + (f" (best of {args.repeat} each)" if args.repeat > 1 else ""))
     same = len({d for *_, d in rows}) == 1
     print("outputs byte-identical: " + ("yes" if same else "NO"))
@@ -119,18 +123,25 @@ def phases_line(ph: dict) -> str:
                                        for k, v in sorted(ph.items()))
 
 
-def _run(args, src: Path, base: Path, w: int):
-    """One conversion with ``w`` workers: (w, wall s, digest), or its exit code when it failed."""
-    out = base / f"out-w{w}"
+def _name(run: tuple[str, int]) -> str:
+    executor, w = run
+    return f"{w} workers" + ("" if executor == "local" else f" on {executor}")
+
+
+def _run(args, src: Path, base: Path, run: tuple[str, int]):
+    """One conversion with ``run`` = (executor, workers): (run, wall s, digest), or its exit code when it failed."""
+    executor, w = run
+    out = base / f"out-{executor}-w{w}"
     wall, cpu, r, ph = convert_once(src, out, args.tokens, args.target, w, args.expert_tokens,
-                                    base / f"phases-w{w}.json" if args.phases else None)
+                                    base / f"phases-{executor}-w{w}.json" if args.phases else None,
+                                    ("--executor", executor))
     if r.returncode:
         print(r.stderr, file=sys.stderr)
         return r.returncode
-    print(f"workers {w}: wall {wall:.1f} s, driver CPU {cpu:.1f} s (load now {load_average()})", flush=True)
+    print(f"{_name(run)}: wall {wall:.1f} s, driver CPU {cpu:.1f} s (load now {load_average()})", flush=True)
     if ph is not None:
         print(phases_line(ph), flush=True)
-    return w, wall, output_digest(out)
+    return run, wall, output_digest(out)
 
 if __name__ == "__main__":
     sys.exit(main())

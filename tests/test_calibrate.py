@@ -250,3 +250,19 @@ def test_device_cuda_without_cuda_is_one_line(source, tmp_path):
     r = kq("convert", source, "-t", "a3", "-o", tmp_path / "o", "--calibrate", "--device", "cuda")
     assert r.returncode == 2 and "no cuda device" in error_line(r.stderr)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_local_calibrated_run_needs_no_ray(calibrated, source, tmp_path):
+    """Ray is an optional extra: a local --calibrate run (the forward in the driver) imports nothing of it, and
+    writes the same shards as in a process where Ray is installed."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "no-ray"
+    code = ("import runpy, sys; sys.modules['ray'] = None; "  # `import ray` now raises ImportError
+            f"sys.argv = ['kimi-quant', 'convert', {str(source)!r}, '-t', 'a3', '-o', {str(out)!r}, '--calibrate', "
+            f"'--tokens', '{TOKENS}', '--workers', '1', '-q']; runpy.run_module('kimi_quant.cli', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _shards(out) == _shards(calibrated)

@@ -112,9 +112,10 @@ def test_the_cpu_run_goes_through_the_device_path_and_keeps_its_bytes(source, tm
         seen.add(x.device)
         return real_call(self, name, x)
 
-    def save_state(out_dir, binding, layer, states, *a):
+    def save_state(out_dir, binding, layer, layout, passes, *a):
+        states = list(passes)
         states_dev.update(t.device for s in states for t in [s.x, *s.blocks])
-        return real_states(out_dir, binding, layer, states, *a)
+        return real_states(out_dir, binding, layer, layout, states, *a)
 
     entries = []
 

@@ -283,5 +283,8 @@ def test_with_ray_the_forward_of_more_passes_is_spread_over_actors_and_their_mem
     few = est.estimate(plan, spec, cfg, workers=16, executor="ray", driver_cores=8)
     assert few["forward_s"] * 16 == pytest.approx(few["forward_core_h"] * 3600)  # the cluster's 16 cores bound them
     written = ray["driver_memory"]["written_experts"]
-    assert written > 0 and ray["driver_memory_bytes"] == pytest.approx(local["driver_memory_bytes"] + written, rel=0.2)
-    assert written / 2 < ray["partition_memory_bytes"] < ray["driver_memory_bytes"]
+    assert written > 0 and ray["driver_memory_bytes"] > written
+    # the driver checkpoints the actors' state one pass at a time (of 4): it holds a quarter of x and the blocks
+    assert ray["driver_memory"]["state"] * 4 < local["driver_memory"]["state"]
+    assert ray["driver_memory"]["forward"] < local["driver_memory"]["forward"]
+    assert written / 2 < ray["partition_memory_bytes"]

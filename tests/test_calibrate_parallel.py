@@ -273,12 +273,13 @@ def test_ray_forward_over_token_passes_writes_the_same_bytes(cluster, source, tm
     class Counted(real):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
-            made.append(self.partitions)
+            made.append((self.partitions, self.threads))
 
     monkeypatch.setattr(ray_forward, "RayForward", Counted)
     out = tmp_path / "ray"
     in_passes(source, out, workers=2, executor="ray")
-    assert made == [PASSES]
+    # 4 actors on this one node share its cores: one thread each, not the driver's count each
+    assert made == [(PASSES, [max(1, min(2, (os.cpu_count() or 1) // PASSES))] * PASSES)]
     assert snapshot(out) == snapshot(local_passes)
     verify_output(out)
 

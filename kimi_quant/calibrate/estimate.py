@@ -340,7 +340,7 @@ def job_bytes(members: list, rows: float) -> int:
 
 
 def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int, stage_hessians: int,
-                 in_flight: int = 0) -> dict:
+                 in_flight: int = 0, actors: bool = False) -> dict:
     """The driver's resident bytes at its peak, by part (the run's accounting, ``calibrate/run.py``):
 
     * weights: one layer's non-expert Linears (fp32) + two routed experts (the one in use and a read-back);
@@ -356,7 +356,11 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
       as GPTQ is fed one job at a time, plus the collector's float32 product and its float64 cast for the widest
       float64 input (12 K^2);
     * jobs: ``in_flight``, the weights (and a routed expert's rows) of the jobs handed out and not yet done (the
-      runner's window: ``jobs.JOBS_PER_WORKER`` per worker, at most a stage's)."""
+      runner's window: ``jobs.JOBS_PER_WORKER`` per worker, at most a stage's).
+
+    ``actors``: the forward runs in Ray actors (``ray_forward``): the state here is one pass's x and blocks at a
+    time (checkpointed as they come), and of the forward only the routed experts' input of every token and one
+    actor's Hessian terms (float32, half the stage's float64 sums) are here."""
     t = spec.text
     T, H = cfg.tokens, t.hidden_size
     blocks = -(-t.num_hidden_layers // t.attn_res_block_size) if t.attn_res_block_size else 0
@@ -373,6 +377,9 @@ def driver_bytes(spec, cfg: CalibConfig, layer_weights: int, expert_weights: int
              "hessians": stage_hessians,
              "jobs": in_flight,
              "base": DRIVER_BASE_BYTES}
+    if actors:
+        parts["state"] = P * H * 4 * (1 + blocks)
+        parts["forward"] = T * (t.latent_size or H) * 4 + stage_hessians // 2
     parts["total"] = sum(parts.values())
     return parts
 
@@ -390,7 +397,7 @@ def machine_memory_bytes() -> int:
 
 
 def _memory(spec, cfg: CalibConfig, jobs: dict, hess: dict, nonexpert: dict, expert_w: int, rows: float,
-            gptq_workers: int, local_workers: int, written: int = 0) -> dict:
+            gptq_workers: int, local_workers: int, written: int | None = None) -> dict:
     """{driver: ``driver_bytes``, worker: the largest job's bytes, worker_shape: its largest Linear's [N, K], peak:
     the driver with ``local_workers`` of a stage's largest jobs held beside it on this machine (every local worker
     process holds its job, also when there are more processes than cores)}."""
@@ -404,7 +411,8 @@ def _memory(spec, cfg: CalibConfig, jobs: dict, hess: dict, nonexpert: dict, exp
     window = JOBS_PER_WORKER * gptq_workers
     held = lambda j: j.source_bytes + (4 * rows * j.members[0][3] if j.expert else 0)  # noqa: E731 (+ its rows)
     in_flight = max((sum(sorted((held(j) for j in js), reverse=True)[:window]) for js in jobs.values()), default=0)
-    driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h, int(in_flight))
+    driver = driver_bytes(spec, cfg, max(nonexpert.values(), default=0), expert_w, stage_h, int(in_flight),
+                          actors=written is not None)
     if written:  # forward actors: the layer's routed experts as written, read here and put in the object store
         driver = {**driver, "written_experts": 2 * written, "total": driver["total"] + 2 * written}
     size = lambda j: job_bytes(j.members, rows if j.expert else 0)  # noqa: E731
@@ -440,7 +448,7 @@ def memory(plan: Plan, spec, cfg: CalibConfig, executor: str = "local") -> Calla
     driver)}."""
     linears = _linears(plan, spec)
     rows = _expert_rows(spec.text, cfg) if spec.text.num_experts else 0.0
-    written = _written_experts_bytes(plan, spec) if partitions(cfg, executor) > 1 else 0
+    written = _written_experts_bytes(plan, spec) if partitions(cfg, executor) > 1 else None
 
     def for_workers(workers: int) -> dict:
         jobs, hess, nonexpert, expert_w = _jobs_and_hessians(linears, spec.text, cfg, cfg.experts_per_stage(workers))
@@ -536,7 +544,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     startup = STARTUP_S.get(executor, STARTUP_S["local"])
     wall = startup + forward_wall + gptq_wall
 
-    written = _written_experts_bytes(plan, spec) if parts > 1 else 0
+    written = _written_experts_bytes(plan, spec) if parts > 1 else None
     mem = _memory(spec, cfg, jobs, hess, nonexpert, expert_w, rows, gptq_workers, workers if executor == "local" else 0,
                   written)
     driver = mem["driver"]

@@ -17,7 +17,7 @@ stops, and the same command resumes it).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -28,6 +28,7 @@ from ..runtime import forward as fw
 from ..runtime.weights import ROUTED_EXPERT
 from .hessian import HessianCollector, Recorder
 from .layer_io import Overlay, dequantized
+from .state import state_layout
 from .token_parts import PartitionLost, TokenPart
 
 import ray  # noqa: E402 - after ray_executor, which turns a missing Ray into one line
@@ -47,16 +48,23 @@ class _Written:
 
 @ray.remote(num_cpus=0, max_restarts=0, max_task_retries=0)
 class _Passes:
-    """One actor: some passes of the tokens and their state (``TokenPart``); its forward has ``threads``."""
+    """One actor: some passes of the tokens and their state (``TokenPart``); its forward's threads are set by the
+    driver (``RayForward._share_cores``)."""
 
-    def __init__(self, tcfg, states: list[fw.State], threads: int, version: str):
+    def __init__(self, tcfg, states: list[fw.State], version: str):
         import kimi_quant
 
         if kimi_quant.__version__ != version:
             raise KimiQuantError(f"a Ray node runs kimi-quant {kimi_quant.__version__} but the driver runs "
                                  f"{version}; install the same version on every node")
-        torch.set_num_threads(max(1, min(threads, os.cpu_count() or 1)))
         self._part = TokenPart(tcfg, states)
+
+    def node(self) -> tuple[str, int]:
+        """(this actor's Ray node, that node's cores)."""
+        return ray.get_runtime_context().get_node_id(), os.cpu_count() or 1
+
+    def threads(self, n: int) -> None:
+        torch.set_num_threads(max(1, n))
 
     @staticmethod
     def _recorder(want) -> Recorder | None:
@@ -84,6 +92,9 @@ class _Passes:
         self._part.head(gw, rec)
         return rec.records if rec else []
 
+    def layout(self) -> list:
+        return state_layout(self._part.states)
+
     def states(self) -> list[fw.State]:
         return self._part.states
 
@@ -95,24 +106,36 @@ class RayForward:
     def __init__(self, tcfg, states: list[fw.State], phases, threads: int):
         self._phases = phases
         self._layer: tuple[int, object] | None = None  # (layer, its non-expert weights in the object store)
-        self._actors = [_Passes.options(scheduling_strategy="SPREAD").remote(tcfg, [st], threads, __version__)
+        self._actors = [_Passes.options(scheduling_strategy="SPREAD").remote(tcfg, [st], __version__)
                         for st in states]
         self.partitions = len(self._actors)
+        self.threads = self._share_cores(threads)
 
-    def _get(self, refs: list):
-        """The actors' answers, in pass order (a lost actor: one line)."""
-        for k, ref in enumerate(refs):
+    def _share_cores(self, most: int) -> list[int]:
+        """Give each actor the cores of its node shared among the actors there (at most ``most``: the driver's
+        forward threads), so that actors placed together do not oversubscribe their node; returns them."""
+        nodes = list(self._get([a.node.remote() for a in self._actors]))
+        together = {n: sum(1 for m, _ in nodes if m == n) for n, _ in nodes}
+        threads = [max(1, min(most, cores // together[n])) for n, cores in nodes]
+        list(self._get([a.threads.remote(t) for a, t in zip(self._actors, threads)]))
+        return threads
+
+    def _get(self, refs: list, first: int = 0, of: int | None = None):
+        """The actors' answers, in pass order (a lost actor: one line); ``refs`` are those of the passes from
+        ``first`` on, of ``of``."""
+        of = of or len(refs)
+        for k, ref in enumerate(refs, start=first):
             try:
                 yield ray.get(ref)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None) or e
                 if isinstance(cause, KimiQuantError):
                     raise cause from None
-                raise KimiQuantError(f"the forward of calibration pass {k + 1} of {len(refs)} failed in its Ray "
+                raise KimiQuantError(f"the forward of calibration pass {k + 1} of {of} failed in its Ray "
                                      f"actor: {type(cause).__name__}: {one_line(cause)}") from e
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError,
                     ray.exceptions.NodeDiedError) as e:
-                raise PartitionLost(f"the Ray actor holding calibration pass {k + 1} of {len(refs)} was lost "
+                raise PartitionLost(f"the Ray actor holding calibration pass {k + 1} of {of} was lost "
                                     f"({type(e).__name__}: {one_line(e)})") from e
 
     def _weights(self, i: int, w: Mapping):
@@ -133,9 +156,15 @@ class RayForward:
             rest.append(more)
         return rest
 
-    @property
-    def states(self) -> list[fw.State]:
-        return [st for part in self._get([a.states.remote() for a in self._actors]) for st in part]
+    def layout(self) -> list:
+        """Per pass the dtype and shape of its state's tensors (``state.state_layout``)."""
+        return [ts for part in self._get([a.layout.remote() for a in self._actors]) for ts in part]
+
+    def passes(self) -> Iterator[fw.State]:
+        """The state of each pass, in order, one actor's at a time (to checkpoint it: the driver never holds all)."""
+        for k, a in enumerate(self._actors):
+            part, = self._get([a.states.remote()], first=k, of=len(self._actors))
+            yield from part
 
     def attention(self, i: int, w: Mapping, coll: HessianCollector | None, replaced: dict | None = None,
                   act: dict | None = None) -> None:

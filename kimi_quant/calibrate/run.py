@@ -28,8 +28,9 @@ of the forward runs on the workers, in parallel. The forward and the other Hessi
 (no GPTQ job outstanding): here, on the cores the run was given (``forward_threads``: torch's intra-op threads;
 one thread while jobs run), or with ``--executor ray`` and more than one pass of tokens data-parallel, each pass
 in a Ray actor (``ray_forward``), its Hessian terms replayed here in pass order. Its products give the same bits
-on any number of threads and in any process, so the bytes do not depend on it either. With ``--device cuda|npu`` the forward, its states and the Hessians formed here live on that device
-(``device.py``; ``--device cpu`` takes the same path); a routed expert's job forms its Hessians on the CPU.
+on any number of threads and in any process, so the bytes do not depend on it either. With ``--device
+cuda|npu`` the forward, its states and the Hessians formed here live on that device (``device.py``; ``--device
+cpu`` takes the same path); a routed expert's job forms its Hessians on the CPU.
 
 Resume: the state after each finished layer is checkpointed (``kimi_quant_calib_state.safetensors``
 in the output, removed when the run completes) with the journal vouching for that layer's shards;
@@ -67,7 +68,7 @@ from ..quant import REGISTRY
 from ..runtime.weights import EMBED_NAMES, HEAD_NAMES
 from .config import MIN_TOKENS, CalibConfig, partitions, windows_per_pass
 from .device import DeviceWeights, full_float32, states_to, synchronize, torch_device
-from .token_parts import LocalForward, PartitionLost
+from .token_parts import MAX_LOSSES, LocalForward, PartitionLost
 from .hessian import HessianCollector
 from .jobs import GPTQJob, ProcessRunner, SerialRunner
 from .phases import Phases
@@ -368,8 +369,6 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
     """Every layer still to do, from the saved state if there is one, then the globals; the layers run.
     ``forward_of(states)``: where the forward runs over them (``token_parts``). A part of the forward lost with
     its process (``PartitionLost``) is said in one line and the run goes on from the last layer checkpointed."""
-    from ..executor.ray_executor import MAX_RETRIES
-
     by_layer = units_by_layer(plan, spec)
     pending = {L for L, us in by_layer.items() if any(u.file not in r.done for u in us)}  # before this run
     fresh = dict(quant.stats), list(quant.expert_tokens)
@@ -386,11 +385,11 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
             return tcfg.num_hidden_layers - first
         except PartitionLost as e:
             lost += 1
-            if lost > MAX_RETRIES:
+            if lost > MAX_LOSSES:
                 raise KimiQuantError(f"{e}; it was lost {lost} times: run the same command again to resume from "
                                      "the last layer done") from e
             log.warning("kimi-quant: warning: %s; redoing the work since the last layer checkpointed (attempt %d of "
-                        "%d)", e, lost + 1, MAX_RETRIES + 1)
+                        "%d)", e, lost + 1, MAX_LOSSES + 1)
         finally:
             fwd.close()
 
@@ -430,7 +429,7 @@ def _layers_from(start: int, tcfg, source, plan: Plan, out_dir: Path, journal, r
             writer.abort()
             raise
         with quant.phases("state"):
-            save_state(out_dir, binding, i, fwd.states, quant.stats, quant.expert_tokens)
+            save_state(out_dir, binding, i, fwd.layout(), fwd.passes(), quant.stats, quant.expert_tokens)
         _release(source, weights, last_use, i)
     writer = UnitWriter(out_dir, by_layer.get(GLOBAL, []), journal, r.made_from, weights, bar.update)
     try:

@@ -13,7 +13,7 @@ order).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 
 import torch
@@ -23,6 +23,11 @@ from ..runtime import forward as fw
 from .device import DeviceWeights
 from .hessian import HessianCollector
 from .layer_io import Overlay
+from .state import state_layout
+
+
+#: times parts of the forward may be lost (``PartitionLost``) before the run stops (a re-run resumes it)
+MAX_LOSSES = 3
 
 
 class PartitionLost(KimiQuantError):
@@ -74,9 +79,13 @@ class LocalForward:
     def __init__(self, tcfg, states: list[fw.State], device: torch.device, phases):
         self._part, self.device, self._phases = TokenPart(tcfg, states), device, phases
 
-    @property
-    def states(self) -> list[fw.State]:
-        return self._part.states
+    def layout(self) -> list:
+        """Per pass the dtype and shape of its state's tensors (``state.state_layout``)."""
+        return state_layout(self._part.states)
+
+    def passes(self) -> Iterator[fw.State]:
+        """The state of each pass, in order (to checkpoint it)."""
+        return iter(self._part.states)
 
     def _observer(self, coll: HessianCollector | None):
         return None if coll is None else self._phases.observer(coll)

@@ -172,7 +172,9 @@ def _calibrate_lines(e: dict, cal) -> list[str]:
             *_all_token_line(e),
             f"         memory ~{fmt_size(e['worker_memory_bytes'])} per worker (its largest GPTQ job, "
             f"[{e['worker_memory_tensor_shape'][0]}, {e['worker_memory_tensor_shape'][1]}]), "
-            f"~{fmt_size(e['driver_memory_bytes'])} driver (state of {cal.tokens} tokens {fmt_size(d['state'])}, forward "
+            f"~{fmt_size(e['driver_memory_bytes'])} driver ("
+            + (f"state of {cal.tokens} tokens" if e["forward_partitions"] <= 1 else "state of one pass at a time")
+            + f" {fmt_size(d['state'])}, forward "
             f"{fmt_size(d['forward'])}, Hessians {fmt_size(d['hessians'])}, weights {fmt_size(d['weights'])}, jobs "
             f"handed out {fmt_size(d['jobs'])}"
             + (f", a layer's routed experts as written for the forward actors {fmt_size(d['written_experts'])}"
