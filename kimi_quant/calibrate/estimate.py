@@ -540,7 +540,8 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     fwd_s_1 = fwd_flops / fp32 + 2 * attn_s_1 + ops * op_s
     hess_s_1 = hess_flops / fp32
     parts = partitions(cfg, executor)
-    forward_wall = (fwd_s_1 + hess_s_1) / _forward_cores(parts, threads, workers)
+    fwd_cores = _forward_cores(parts, threads, workers)
+    forward_wall = (fwd_s_1 + hess_s_1) / fwd_cores
     startup = STARTUP_S.get(executor, STARTUP_S["local"])
     wall = startup + forward_wall + gptq_wall
 
@@ -552,8 +553,7 @@ def estimate(plan: Plan, spec, cfg: CalibConfig, workers: int, executor: str = "
     return {"hours": wall / 3600, "wall_seconds": wall, "workers": workers, "executor": executor,
             "driver_cores": driver_cores,
             "gptq_workers": gptq_workers, "driver_threads": threads, "startup_s": startup,
-            "forward_s": fwd_s_1 / _forward_cores(parts, threads, workers),
-            "hessian_s": hess_s_1 / _forward_cores(parts, threads, workers), "gptq_s": gptq_wall,
+            "forward_s": fwd_s_1 / fwd_cores, "hessian_s": hess_s_1 / fwd_cores, "gptq_s": gptq_wall,
             "core_hours": (fwd_s_1 + hess_s_1 + gptq_core) / 3600, "gptq_core_h": gptq_core / 3600,
             "forward_core_h": fwd_s_1 / 3600, "hessian_core_h": hess_s_1 / 3600,
             "forward_gflop": fwd_flops / 1e9, "hessian_gflop": hess_flops / 1e9, "job_gflop": job_gflop,
