@@ -71,10 +71,10 @@ class _Passes:
         return Recorder(want) if want else None
 
     @torch.inference_mode()
-    def attention(self, i: int, w: dict, want, replaced: dict | None, act: dict | None) -> list:
+    def attention(self, i: int, w: dict, want, replaced: dict | None, act: dict | None) -> tuple[list, None]:
         rec = self._recorder(want)
         self._part.attention(i, Overlay(w, replaced or {}), rec, act)
-        return rec.records if rec else []
+        return (rec.records if rec else []), None
 
     @torch.inference_mode()
     def mlp(self, i: int, w: dict, want) -> tuple[list, list]:
@@ -87,10 +87,10 @@ class _Passes:
         self._part.output(i, Overlay(w, replaced, _Written(written)), act)
 
     @torch.inference_mode()
-    def head(self, gw: dict, want) -> list:
+    def head(self, gw: dict, want) -> tuple[list, None]:
         rec = self._recorder(want)
         self._part.head(gw, rec)
-        return rec.records if rec else []
+        return (rec.records if rec else []), None
 
     def layout(self) -> list:
         return state_layout(self._part.states)
@@ -146,10 +146,10 @@ class RayForward:
         return self._layer[1]
 
     def _replay(self, refs: list, coll: HessianCollector | None) -> list:
-        """Replay each actor's records (the first of its answer when ``coll``) into ``coll``, in pass order."""
+        """Replay each actor's Hessian terms (its answer: ``(records, rest)``) into ``coll``, in pass order; the
+        rests, in pass order."""
         rest = []
-        for got in self._get(refs):
-            records, more = (got if isinstance(got, tuple) else (got, None))
+        for records, more in self._get(refs):
             if coll is not None:
                 with self._phases("hessians"):
                     coll.replay(records)

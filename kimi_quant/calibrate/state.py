@@ -59,7 +59,7 @@ def _digest_start(meta: dict[str, str]):
 
 def _digest_add(h, name: str, t: torch.Tensor) -> None:
     h.update(f"\0{name}\0{t.dtype}\0{list(t.shape)}\0".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")  # the tensor's own bytes, not a copy
 
 
 #: safetensors' names of the states' dtypes
