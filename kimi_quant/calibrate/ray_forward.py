@@ -23,7 +23,7 @@ import torch
 
 from .. import __version__
 from ..errors import KimiQuantError
-from ..executor.ray_executor import one_line
+from ..executor.ray_executor import SYSTEM_ERRORS, one_line
 from ..runtime import forward as fw
 from ..runtime.weights import ROUTED_EXPERT
 from .hessian import HessianCollector, Recorder
@@ -133,8 +133,7 @@ class RayForward:
                     raise cause from None
                 raise KimiQuantError(f"the forward of calibration pass {k + 1} of {of} failed in its Ray "
                                      f"actor: {type(cause).__name__}: {one_line(cause)}") from e
-            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.WorkerCrashedError,
-                    ray.exceptions.NodeDiedError) as e:
+            except (ray.exceptions.RayActorError, *SYSTEM_ERRORS) as e:  # the executor's rule, and a dead actor
                 raise PartitionLost(f"the Ray actor holding calibration pass {k + 1} of {of} was lost "
                                     f"({type(e).__name__}: {one_line(e)})") from e
 

@@ -381,7 +381,8 @@ def _run_layers(tcfg, source, plan: Plan, windows, out_dir: Path, journal, r, qu
         fwd = forward_of(states)
         del states  # fwd holds them (another process may)
         try:
-            _layers_from(start, tcfg, source, plan, out_dir, journal, r, quant, weights, bar, binding, spec, fwd)
+            _layers_from(start, tcfg, source, plan, out_dir, journal, r, quant, weights, bar, binding, spec, fwd,
+                         by_layer)
             return tcfg.num_hidden_layers - first
         except PartitionLost as e:
             lost += 1
@@ -414,10 +415,10 @@ def _starting_point(windows, out_dir: Path, binding: str, quant: _Quantizer, wei
 
 
 def _layers_from(start: int, tcfg, source, plan: Plan, out_dir: Path, journal, r, quant: _Quantizer,
-                 weights: SourceWeights, bar, binding: str, spec, fwd) -> None:
-    """Layers ``start``.. with ``fwd`` holding the state before ``start``, each checkpointed; then the globals."""
+                 weights: SourceWeights, bar, binding: str, spec, fwd, by_layer: dict) -> None:
+    """Layers ``start``.. with ``fwd`` holding the state before ``start``, each checkpointed; then the globals
+    (``by_layer``: ``units_by_layer``)."""
     n_layers = tcfg.num_hidden_layers
-    by_layer = units_by_layer(plan, spec)
     last_use = _last_use(plan, spec, n_layers)
     for i in range(start, n_layers):
         bar.set_postfix_str(f"layer {i + 1}/{n_layers}", refresh=True)  # the layer being worked on, 1-based

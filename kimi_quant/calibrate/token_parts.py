@@ -74,8 +74,6 @@ def _observing(observer):
 class LocalForward:
     """Every pass in this process, on ``device`` (``calibrate/device.py``); ``phases`` times the Hessians."""
 
-    partitions = 1
-
     def __init__(self, tcfg, states: list[fw.State], device: torch.device, phases):
         self._part, self.device, self._phases = TokenPart(tcfg, states), device, phases
 
